@@ -1,0 +1,9 @@
+"""Errors that reach users as one clear line (the CLI prints `error: <message>`)."""
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded. The message says what is wrong and what to do; the CLI exits with code 2."""
+
+
+class DeviceError(ModelLoadError):
+    """The requested device or dtype cannot be used here."""
