@@ -1,12 +1,92 @@
-"""Shared fixtures: the real demo model (downloaded once into the cache) and paths derived from it."""
+"""Shared fixtures: the real demo model, a safetensors directory built from it, and tiny random-weight models."""
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from rbee_worker.models.demo import demo_model_path
+from rbee_worker.models.demo import cache_dir, demo_model_path
+
+# Bump when the way the derived directory is built changes, so stale caches are not reused.
+HF_DIR_VERSION = "1"
 
 
 @pytest.fixture(scope="session")
 def demo_gguf() -> Path:
     return demo_model_path()
+
+
+@pytest.fixture(scope="session")
+def demo_hf_dir(demo_gguf: Path) -> Path:
+    """The demo model as a Hugging Face safetensors directory (float32).
+
+    The weights come from transformers' own GGUF loader, independent of ours, so comparing the two paths checks our
+    dequantization; the tokenizer comes from ours (transformers' GGUF tokenizer does not split digits the way
+    SmolLM2's does). Built once and cached next to the demo file.
+    """
+    target = cache_dir() / f"test-smollm2-hf-v{HF_DIR_VERSION}"
+    if not (target / "model.safetensors").is_file():
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        # A separate process: transformers' GGUF path holds ~1 GB it never gives back.
+        script = f"""
+import torch
+from transformers import AutoModelForCausalLM
+from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.models.gguf_tokenizer import build_tokenizer
+path = {str(demo_gguf)!r}
+model = AutoModelForCausalLM.from_pretrained({str(demo_gguf.parent)!r}, gguf_file={demo_gguf.name!r},
+                                             dtype=torch.float32)
+model.generation_config.eos_token_id = [2]
+model.save_pretrained({str(staging)!r})
+build_tokenizer(read_gguf(path).metadata).save_pretrained({str(staging)!r})
+"""
+        subprocess.run([sys.executable, "-c", script], check=True)
+        staging.replace(target)
+    return target
+
+
+def make_tiny_model(directory: Path, model_type: str, tokenizer_dir: Path, **overrides) -> Path:
+    """A random-weight model of the given architecture (fixed seed), with the demo tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    shape = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    config = AutoConfig.for_model(model_type, **{**shape, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, demo_hf_dir: Path) -> dict[str, Path]:
+    """Tiny random mistral and qwen2 models (GQA, untied / tied embeddings)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "mistral": make_tiny_model(root / "mistral", "mistral", demo_hf_dir, sliding_window=None),
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", demo_hf_dir, tie_word_embeddings=True),
+    }
+
+
+def cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `rbee-worker` as a real process; `env` adds to (or overrides) this process's environment."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "rbee_worker", *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from rbee_worker.cli import main
+
+sys.exit(main())

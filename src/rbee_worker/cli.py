@@ -1,0 +1,178 @@
+"""Command line: `rbee-worker generate` (flag parsing and output only; the work is in models/ and engine/)."""
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from rbee_worker.errors import ModelLoadError
+
+log = logging.getLogger("rbee_worker")
+
+EXIT_FAILURE, EXIT_USAGE = 1, 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as the contract's one line `error: ...` with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see `{self.prog} --help`)", EXIT_USAGE)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def bounded(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False) -> Callable:
+    """An argparse type that also checks the contract's range for the value."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            left = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"{text} is outside {left}{low}, {high if high is not None else '∞'}]")
+        return value
+
+    return parse
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and device")
+    group.add_argument("--model", default="demo", help="HF model directory, .gguf file, hub id in the local cache, "
+                       "or `demo` (SmolLM2-135M-Instruct Q4_1, fetched into the user cache on first use)")
+    group.add_argument("--device", default=None, help="auto|cpu|cuda|cuda:N|mps (or N with --backend)")
+    group.add_argument("--backend", choices=["cpu", "cuda", "mps"], help="seed-style device family; --device N picks")
+    group.add_argument("--cuda-device", type=bounded(int, 0), metavar="N", help="same as --device cuda:N")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bfloat16 on CUDA, float16 on MPS, bfloat16 on CPU (measured fastest)")
+    group.add_argument("--deterministic", action="store_true",
+                       help="batch-invariant mode: a request's tokens never depend on other running requests")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="rbee-worker", description="LLM inference worker for the rbee pool manager.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout")
+    add_model_flags(generate)
+    sampling = generate.add_argument_group("generation")
+    sampling.add_argument("--prompt", required=True, help="the prompt (raw text, or the user message with --chat)")
+    sampling.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    sampling.add_argument("--max-tokens", type=bounded(int, 1, 2048), default=256, help="1..2048 (default 256)")
+    sampling.add_argument("--temperature", type=bounded(float, 0.0, 2.0), default=1.0, help="0..2; 0 is greedy")
+    sampling.add_argument("--top-k", type=bounded(int, 0), default=0, help="0 is off")
+    sampling.add_argument("--top-p", type=bounded(float, 0.0, 1.0), default=1.0)
+    sampling.add_argument("--min-p", type=bounded(float, 0.0, 1.0), default=0.0)
+    sampling.add_argument("--repetition-penalty", type=bounded(float, 0.0, 2.0, low_open=True), default=1.0)
+    sampling.add_argument("--presence-penalty", type=bounded(float, -2.0, 2.0), default=0.0)
+    sampling.add_argument("--frequency-penalty", type=bounded(float, -2.0, 2.0), default=0.0)
+    sampling.add_argument("--seed", type=bounded(int, 0, 2**64 - 1), default=None, help="default: random, reported")
+    sampling.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                          help="stop strings (up to 4), matched across token boundaries")
+    sampling.add_argument("--json", action="store_true",
+                          help="print only one JSON summary line at the end instead of streaming text")
+    generate.set_defaults(run=run_generate)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from rbee_worker.devices import resolve_placement
+    from rbee_worker.engine.engine import Engine
+    from rbee_worker.engine.sampling import SamplingParams
+    from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
+    from rbee_worker.models.loader import load_model
+
+    if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
+        fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
+    placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    loaded = load_model(args.model, placement)
+    info = loaded.info
+    log.info("loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights", info.name, info.format,
+             info.architecture, info.device, str(info.dtype).removeprefix("torch."), info.load_seconds,
+             info.weight_bytes >> 20)
+    engine = Engine(loaded, deterministic=args.deterministic)
+    try:
+        prompt_ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}]) if args.chat \
+            else engine.tokenize(args.prompt)
+        request = Request(
+            prompt_ids=prompt_ids,
+            max_tokens=args.max_tokens,
+            sampling=SamplingParams(
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty,
+            ),
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+        pieces: list[str] = []
+        token_ids: list[int] = []
+        for event in engine.stream(request):
+            if isinstance(event, Token):
+                pieces.append(event.text)
+                token_ids.extend(event.token_ids)
+                if not args.json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            elif isinstance(event, Error):
+                fail(event.message, EXIT_USAGE if event.code is ErrorCode.INVALID_REQUEST else EXIT_FAILURE)
+            elif isinstance(event, End):
+                report(args.json, event, "".join(pieces), token_ids)
+    finally:
+        engine.close()
+    return 0
+
+
+def report(as_json: bool, end, text: str, token_ids: list[int]) -> None:
+    if as_json:
+        summary = {
+            "text": text,
+            "token_ids": token_ids,
+            "prompt_tokens": end.prompt_tokens,
+            "tokens_out": end.tokens_out,
+            "stop_reason": end.stop_reason.value,
+            "seed": end.seed,
+        }
+        print(json.dumps(summary, ensure_ascii=False))
+        return
+    rate = (end.tokens_out - 1) / end.decode_time_s if end.tokens_out > 1 and end.decode_time_s > 0 else 0.0
+    print(file=sys.stdout)
+    print(f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, "
+          f"{rate:.1f} tok/s, seed {end.seed}", file=sys.stderr)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return args.run(args)
+    except ModelLoadError as exc:
+        if args.log_level == "debug":
+            log.exception("model load failed")
+        fail(str(exc), EXIT_USAGE)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one line for the user; the traceback only when asked for
+        if args.log_level == "debug":
+            log.exception("unexpected failure")
+        fail(f"{type(exc).__name__}: {exc} (rerun with --log-level debug for details)", EXIT_FAILURE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

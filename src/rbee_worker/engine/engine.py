@@ -1,0 +1,258 @@
+"""The engine: one scheduler thread owns the model and every KV cache; callers submit requests and receive events.
+
+Each step of the loop is schedule -> forward -> postprocess (sample, detokenize, stop checks, emit events). Requests
+run concurrently: every active sequence advances by one forward per round, so a new request starts between two
+tokens of the others and none waits for another to finish. Each forward covers one sequence, which also makes every
+request's tokens independent of what else runs (batch invariance): `--deterministic` is therefore met by
+construction today; batching several sequences into one forward (the performance issue) will keep a batch-of-one
+path for that flag.
+"""
+
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from rbee_worker.engine.detokenizer import Detokenizer
+from rbee_worker.engine.sampling import Sampler, random_seed
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
+from rbee_worker.models.loaded import LoadedModel
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Event], None]
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before generating (the message says why)."""
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    sink: Sink
+    seed: int
+    sampler: Sampler
+    detokenizer: Detokenizer
+    submitted_at: float
+    cache: DynamicCache | None = None  # None until the prompt has been prefilled
+    output_ids: list[int] = field(default_factory=list)
+    pieces: int = 0
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, *, deterministic: bool = False) -> None:
+        self.loaded = loaded
+        self.deterministic = deterministic
+        self._model = loaded.model
+        self._backend_tokenizer = loaded.tokenizer.backend_tokenizer
+        self._eos = loaded.info.eos_token_ids
+        # transformers renamed forward's `past_key_values` to `cache` (5.2x); the GPU machines still run 5.17.
+        parameters = inspect.signature(self._model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._inbox: queue.SimpleQueue[_Sequence | str | None] = queue.SimpleQueue()
+        self._active: dict[str, _Sequence] = {}
+        self._kv_bytes = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any thread) ------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        """Token ids of a raw prompt, exactly as the model's tokenizer makes them (BOS as its settings say)."""
+        return tuple(self.loaded.tokenizer(text)["input_ids"])
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text the model's chat template renders, ending with the assistant turn's header."""
+        return self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> tuple[int, ...]:
+        # The template writes BOS and the other special tokens itself, so none are added again.
+        return tuple(self.loaded.tokenizer(self.chat_prompt(messages), add_special_tokens=False)["input_ids"])
+
+    def validate(self, request: Request) -> None:
+        """Raise RequestError for a request that cannot run on this model."""
+        context = self.loaded.info.context_length
+        if not request.prompt_ids:
+            raise RequestError("the prompt is empty after tokenization")
+        if request.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1")
+        if len(request.prompt_ids) + request.max_tokens > context:
+            raise RequestError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the model's "
+                f"context of {context} tokens; shorten the prompt or lower max_tokens"
+            )
+        if any(not s for s in request.stop):
+            raise RequestError("stop strings must be non-empty")
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Queue a request; `sink` gets Started, Token*, then exactly one End or Error, from the engine thread."""
+        try:
+            if self._closed.is_set():
+                raise RequestError("the engine is shut down")
+            self.validate(request)
+        except RequestError as exc:
+            sink(Error(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
+            return
+        seed = random_seed() if request.seed is None else request.seed
+        sequence = _Sequence(
+            request=request,
+            sink=sink,
+            seed=seed,
+            sampler=Sampler(request.sampling, seed, request.prompt_ids),
+            detokenizer=Detokenizer(self._backend_tokenizer, request.stop),
+            submitted_at=time.perf_counter(),
+        )
+        self._inbox.put(sequence)
+
+    def stream(self, request: Request) -> Iterator[Event]:
+        """Blocking iterator over a request's events; leaving it early cancels the request."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.submit(request, events.put)
+        finished = False
+        try:
+            while not finished:
+                event = events.get()
+                finished = isinstance(event, End | Error)
+                yield event
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request between two steps; it ends with stop reason CANCELLED. Unknown ids are ignored."""
+        self._inbox.put(request_id)
+
+    def close(self) -> None:
+        """Cancel everything and stop the scheduler thread."""
+        self._closed.set()
+        self._inbox.put(None)
+        self._thread.join()
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def memory_bytes(self) -> int:
+        """Measured device memory in use: weights plus the KV caches of the active requests."""
+        device = self.loaded.info.device
+        if device.type == "cuda":
+            return int(torch.cuda.memory_allocated(device))
+        return self.loaded.info.weight_bytes + self._kv_bytes
+
+    # -- the engine thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while self._admit(block=not self._active):
+                for sequence in list(self._active.values()):
+                    self._advance(sequence)
+                self._kv_bytes = sum(_cache_bytes(s.cache) for s in self._active.values())
+            for sequence in list(self._active.values()):
+                self._finish(sequence, StopReason.CANCELLED)
+
+    def _admit(self, block: bool) -> bool:
+        """Take new requests and cancellations from the inbox; False once the engine is closing."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, str):
+                if sequence := self._active.get(item):
+                    sequence.cancelled = True
+            elif item.request.request_id in self._active:
+                item.sink(Error(item.request.request_id, ErrorCode.INVALID_REQUEST, "request id is already running"))
+            else:
+                self._active[item.request.request_id] = item
+                item.sink(Started(item.request.request_id, len(item.request.prompt_ids), item.seed))
+
+    def _advance(self, sequence: _Sequence) -> None:
+        if sequence.cancelled:
+            self._finish(sequence, StopReason.CANCELLED)
+            return
+        try:
+            logits = self._forward(sequence)
+            token = sequence.sampler(logits, sequence.output_ids)
+        except torch.OutOfMemoryError:
+            self._fail(sequence, ErrorCode.VRAM_OOM, "out of device memory during generation; retry with a shorter request")
+            return
+        except Exception as exc:  # a failed forward must end this request, never the engine thread
+            log.exception("inference failed for request %s", sequence.request.request_id)
+            self._fail(sequence, ErrorCode.INFERENCE_FAILED, f"inference failed: {exc}")
+            return
+        self._accept(sequence, token)
+
+    def _forward(self, sequence: _Sequence) -> torch.Tensor:
+        """Logits for the next token: a prefill over the whole prompt first, then one token at a time."""
+        if sequence.cache is None:
+            sequence.cache = DynamicCache(config=self._model.config)
+            ids = sequence.request.prompt_ids
+        else:
+            ids = sequence.output_ids[-1:]
+        input_ids = torch.tensor([ids], device=self._model.device)
+        output = self._model(
+            input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_kwarg: sequence.cache}
+        )
+        return output.logits[0, -1]
+
+    def _accept(self, sequence: _Sequence, token: int) -> None:
+        if sequence.first_token_at is None:
+            sequence.first_token_at = time.perf_counter()
+        if token in self._eos:
+            self._finish(sequence, StopReason.EOS)
+            return
+        sequence.output_ids.append(token)
+        text = sequence.detokenizer.add_token(token)
+        self._emit_piece(sequence, text, (token,))
+        if sequence.detokenizer.stop_matched is not None:
+            self._finish(sequence, StopReason.STOP_SEQUENCE)
+        elif len(sequence.output_ids) >= sequence.request.max_tokens:
+            self._finish(sequence, StopReason.MAX_TOKENS)
+
+    def _emit_piece(self, sequence: _Sequence, text: str, token_ids: tuple[int, ...]) -> None:
+        sequence.sink(Token(sequence.request.request_id, text, token_ids, sequence.pieces))
+        sequence.pieces += 1
+
+    def _finish(self, sequence: _Sequence, reason: StopReason) -> None:
+        del self._active[sequence.request.request_id]
+        if reason is not StopReason.CANCELLED and (rest := sequence.detokenizer.finish()):
+            self._emit_piece(sequence, rest, ())
+        now = time.perf_counter()
+        first = sequence.first_token_at or now
+        sequence.sink(
+            End(
+                request_id=sequence.request.request_id,
+                stop_reason=reason,
+                prompt_tokens=len(sequence.request.prompt_ids),
+                tokens_out=len(sequence.output_ids),
+                seed=sequence.seed,
+                stop_sequence=sequence.detokenizer.stop_matched,
+                time_to_first_token_s=first - sequence.submitted_at,
+                decode_time_s=now - first,
+            )
+        )
+
+    def _fail(self, sequence: _Sequence, code: ErrorCode, message: str) -> None:
+        del self._active[sequence.request.request_id]
+        sequence.sink(Error(sequence.request.request_id, code, message))
+
+
+def _cache_bytes(cache: DynamicCache | None) -> int:
+    if cache is None:
+        return 0
+    return sum(
+        tensor.nbytes for layer in cache.layers for tensor in (layer.keys, layer.values) if isinstance(tensor, torch.Tensor)
+    )

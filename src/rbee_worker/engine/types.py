@@ -1,0 +1,77 @@
+"""What crosses the engine boundary: a request in, a stream of events out. Plain frozen dataclasses only."""
+
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rbee_worker.engine.sampling import SamplingParams
+
+
+class StopReason(StrEnum):
+    EOS = "EOS"
+    MAX_TOKENS = "MAX_TOKENS"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    CANCELLED = "CANCELLED"
+
+
+class ErrorCode(StrEnum):
+    INVALID_REQUEST = "INVALID_REQUEST"
+    VRAM_OOM = "VRAM_OOM"
+    CANCELLED = "CANCELLED"
+    TIMEOUT = "TIMEOUT"
+    INFERENCE_FAILED = "INFERENCE_FAILED"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation. `prompt_ids` is the tokenized prompt (see Engine.tokenize); text never enters the core."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 2048
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None  # None: a random seed, reported in End
+    stop: tuple[str, ...] = ()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class Started:
+    request_id: str
+    prompt_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of generated text and the token ids generated since the previous piece.
+
+    `text` can be empty while a multi-byte character or a possible stop string is incomplete; `token_ids` is empty
+    for the text released when the request ends. Concatenating every `text` gives exactly the generated text.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    index: int
+
+
+@dataclass(frozen=True)
+class End:
+    request_id: str
+    stop_reason: StopReason
+    prompt_tokens: int
+    tokens_out: int  # generated token ids, the EOS token excluded
+    seed: int
+    stop_sequence: str | None
+    time_to_first_token_s: float
+    decode_time_s: float
+
+
+@dataclass(frozen=True)
+class Error:
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+Event = Started | Token | End | Error

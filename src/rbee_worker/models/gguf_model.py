@@ -1,0 +1,168 @@
+"""Load a GGUF file into a transformers model: config, dequantized weights, tokenizer and chat template.
+
+transformers can load GGUF itself (`from_pretrained(..., gguf_file=...)`) but takes about 25 s for the demo model,
+mostly in gguf-py's reader and numpy dequantization; here the header is parsed directly, weights are dequantized with
+torch on the target device, and the model is assembled from a state dict without a second copy.
+"""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from rbee_worker.devices import check_fits
+from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.dequant import dequantize
+from rbee_worker.models.gguf_format import GGUFFile, read_gguf
+from rbee_worker.models.gguf_tokenizer import build_tokenizer
+from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
+
+# GGUF architecture -> transformers model_type, for the architectures whose GGUF metadata and tensors map onto the
+# transformers model without architecture-specific rewrites beyond the Q/K permutation below.
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# llama.cpp's converter interleaves the rotary halves of Q and K for these architectures; undo it.
+PERMUTED_QK = {"llama", "mistral"}
+
+# GGUF metadata key (after "<arch>.") -> transformers config field.
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "vocab_size": "vocab_size",
+}
+
+
+def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    file = read_gguf(path)
+    arch = file.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} of {path.name} is not supported (supported: {', '.join(ARCHITECTURES)}); "
+            "use the model's Hugging Face directory instead"
+        )
+    config = gguf_config(file, arch)
+    elements = sum(math.prod(t.shape) for t in file.tensors.values())
+    check_fits(elements * dtype.itemsize, device, f"the weights of {path.name} (dequantized to {dtype})")
+    tokenizer = build_tokenizer(file.metadata)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with torch.device("meta"):
+        skeleton = model_class(config)
+    state_dict = gguf_state_dict(file, arch, skeleton, config, device, dtype)
+    try:
+        model, loading_info = model_class.from_pretrained(
+            None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise ModelLoadError(f"the tensors of {path.name} do not fit its metadata: {str(exc).splitlines()[0]}") from exc
+    # transformers fills a missing tensor with random values and only logs it (the CLI silences that log).
+    if missing := sorted(loading_info["missing_keys"]):
+        raise ModelLoadError(
+            f"{path.name} lacks {len(missing)} tensor(s) that its {arch} architecture needs (e.g. {missing[0]}); "
+            "the file is incomplete: download or convert the model again"
+        )
+    info = {
+        "name": path.stem,
+        "path": path,
+        "format": "gguf",
+        "architecture": config.model_type,
+        "context_length": config.max_position_embeddings,
+        "eos_token_ids": eos_ids(config.eos_token_id, tokenizer.eos_token_id),
+        "dtype": dtype,
+    }
+    return finish(model.to(device), tokenizer, info, device)
+
+
+def gguf_config(file: GGUFFile, arch: str) -> PretrainedConfig:
+    meta = file.metadata
+    fields: dict[str, Any] = {
+        field: meta[f"{arch}.{key}"] for key, field in CONFIG_KEYS.items() if f"{arch}.{key}" in meta
+    }
+    fields.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    if missing := [f for f in required if f not in fields]:
+        raise ModelLoadError(f"{file.path.name} lacks GGUF metadata for {', '.join(missing)}: the file is incomplete")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        if f"{arch}.rope.scaling.factor" not in meta:
+            raise ModelLoadError(f"{file.path.name} sets RoPE scaling {scaling} without a factor; the file is corrupt")
+        rope.update(rope_type=scaling, factor=float(meta[f"{arch}.rope.scaling.factor"]))
+        if original := meta.get(f"{arch}.rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = int(original)
+    if "rope_freqs.weight" in file.tensors:
+        raise ModelLoadError(
+            f"{file.path.name} uses per-dimension RoPE frequency factors (Llama 3.1 style), which rbee-worker cannot "
+            "map from GGUF yet; use the model's Hugging Face directory"
+        )
+    fields["head_dim"] = (
+        fields.get("head_dim")
+        or meta.get(f"{arch}.rope.dimension_count")
+        or (fields["hidden_size"] // fields["num_attention_heads"])
+    )
+    token_id = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    try:
+        return AutoConfig.for_model(
+            ARCHITECTURES[arch],
+            **fields,
+            rope_parameters=rope,
+            tie_word_embeddings="output.weight" not in file.tensors,
+            bos_token_id=token_id["bos"],
+            eos_token_id=token_id["eos"],
+            pad_token_id=token_id["padding"],
+        )
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(
+            f"{file.path.name} has invalid {arch} metadata ({str(exc).splitlines()[0]}); the file is corrupt"
+        ) from exc
+
+
+def gguf_state_dict(
+    file: GGUFFile,
+    arch: str,
+    skeleton: torch.nn.Module,
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Map GGUF tensor names to the model's parameter names and dequantize each tensor onto `device`."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    state: dict[str, torch.Tensor] = {}
+    expected = skeleton.state_dict()
+    for hf_name, meta_tensor in expected.items():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = names.get_name(base)
+        if gguf_base is None or f"{gguf_base}.{suffix}" not in file.tensors:
+            continue  # absent here (a tied lm_head, say); from_pretrained reports what is really missing
+        info = file.tensors[f"{gguf_base}.{suffix}"]
+        # Dequantize where the model will live: on a GPU this is fast and the host never holds a float copy.
+        try:
+            tensor = dequantize(file.raw(info.name).to(device), info.ggml_type, info.shape, dtype)
+        except ModelLoadError as exc:  # dequantize does not know which file and tensor it was given
+            raise ModelLoadError(f"{file.path.name}: tensor {info.name}: {exc}") from exc
+        if arch in PERMUTED_QK and gguf_base.endswith(("attn_q", "attn_k")):
+            heads = config.num_attention_heads if gguf_base.endswith("attn_q") else config.num_key_value_heads
+            tensor = unpermute_rotary(tensor, heads)
+        if tensor.shape != meta_tensor.shape:
+            raise ModelLoadError(
+                f"{file.path.name}: tensor {gguf_base}.{suffix} has shape {tuple(tensor.shape)}, the architecture "
+                f"expects {tuple(meta_tensor.shape)}; the file's metadata and tensors disagree"
+            )
+        state[hf_name] = tensor
+    return state
+
+
+def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp convert_hf_to_gguf's `permute` for Q/K projection rows."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

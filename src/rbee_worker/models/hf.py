@@ -1,0 +1,176 @@
+"""Load a Hugging Face model directory: config.json, safetensors (one file or sharded with an index), tokenizer."""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+from rbee_worker.devices import check_fits
+from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    config = read_config(path)
+    model_class = causal_lm_class(config, path)
+    shards = weight_files(path)
+    check_fits(weight_elements(shards) * dtype.itemsize, device, f"the weights of {path.name}")
+    tokenizer = load_tokenizer(path)
+    try:
+        # Shape mismatches are reported by check_loading_info: transformers' own error points at a log report that
+        # the CLI silences.
+        model, loading_info = model_class.from_pretrained(
+            path,
+            config=config,
+            dtype=dtype,
+            device_map={"": device} if device.type != "cpu" else None,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+        )
+    except torch.OutOfMemoryError as exc:
+        raise ModelLoadError(f"not enough memory on {device} to load {path.name}; use a smaller model") from exc
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise ModelLoadError(f"cannot load the weights of {path}: {first_line(exc)}") from exc
+    check_loading_info(loading_info, path, config.model_type)
+    generation_eos = None
+    if (path / "generation_config.json").is_file():
+        try:
+            generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"invalid generation_config.json in {path}: {first_line(exc)}") from exc
+    info = {
+        "name": path.name,
+        "path": path,
+        "format": "hf",
+        "architecture": config.model_type,
+        "context_length": context_length_of(config),
+        "eos_token_ids": eos_ids(generation_eos, config.eos_token_id, tokenizer.eos_token_id),
+        "dtype": dtype,
+    }
+    return finish(model.to(device), tokenizer, info, device)
+
+
+def read_config(path: Path) -> PretrainedConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory (or pass a .gguf file)")
+    # model_type is checked here because transformers' error for an unknown one lists every architecture it knows
+    # on a single line of several kilobytes.
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON ({exc}); re-download the model") from exc
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelLoadError(f"{config_file} has no model_type: not a transformers model config; re-download the model")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r} in {config_file}: transformers {transformers.__version__} does "
+            "not know it; use a model of a supported architecture (llama, mistral, qwen2, ...) or upgrade transformers"
+        )
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (KeyError, ValueError, TypeError, OSError) as exc:
+        raise ModelLoadError(
+            f"unsupported model in {path}: {first_line(exc)}; rbee-worker runs what transformers' "
+            "AutoModelForCausalLM supports"
+        ) from exc
+
+
+def causal_lm_class(config: PretrainedConfig, path: Path) -> type:
+    # Encoders such as BERT (and encoder-decoders such as BART) have a "causal LM" head in transformers for use as a
+    # decoder inside a larger model; a checkpoint trained as an encoder only produces noise through it.
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False)
+    if encoder and not getattr(config, "is_decoder", False):
+        raise ModelLoadError(
+            f"unsupported architecture {config.model_type!r} in {path}: it is an encoder model, not a causal "
+            "(decoder-only) language model; use a text-generation model such as llama, mistral or qwen2"
+        )
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(
+            f"unsupported architecture {config.model_type!r} in {path}: it is not a causal language model that "
+            f"transformers supports (supported include {', '.join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[:8])}, ...)"
+        )
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors shards of a directory, each checked to open and to cover its declared tensors."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index} is corrupt ({first_line(exc)}); re-download the model") from exc
+        shards = sorted({path / name for name in weight_map.values()})
+        if missing := [s.name for s in shards if not s.is_file()]:
+            raise ModelLoadError(f"{path} is missing weight shard(s) {', '.join(missing)} listed in {INDEX_FILE}")
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        found = "only PyTorch .bin weights" if any(path.glob("*.bin")) else "no weights"
+        raise ModelLoadError(f"{path} has {found}: rbee-worker needs *.safetensors files (or pass a .gguf file)")
+    return shards
+
+
+def weight_elements(shards: list[Path]) -> int:
+    """Number of weight elements, read from the shard headers; opening each header also validates it."""
+    total = 0
+    for shard in shards:
+        try:
+            # framework="numpy" only maps the file read-only; "pt" asks torch for a private writable mapping of the
+            # whole file, which fails for a model larger than RAM before check_fits can say so.
+            with safe_open(shard, framework="numpy") as f:
+                total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(
+                f"{shard} is corrupt or truncated ({first_line(exc)}); re-download or re-convert the model"
+            ) from exc
+    return total
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: Path):
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {path}: {first_line(exc)}") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{path} has no tokenizer.json (a fast tokenizer is required); add it to the directory")
+    return tokenizer
+
+
+def check_loading_info(info: dict, path: Path, architecture: str) -> None:
+    """Refuse weights that do not cover the architecture: transformers would fill the gaps with random values."""
+    if mismatched := sorted(info.get("mismatched_keys") or ()):
+        name, found, expected = mismatched[0]
+        raise ModelLoadError(
+            f"the weights in {path} do not match its config.json: tensor {name} has shape {tuple(found)}, "
+            f"the config implies {tuple(expected)} ({len(mismatched)} such tensor(s)); re-download or re-convert it"
+        )
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise ModelLoadError(
+            f"the weights in {path} lack {len(missing)} tensor(s) that the {architecture} architecture in config.json "
+            f"needs (e.g. {missing[0]}); re-download or re-convert the model"
+        )
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut to `limit` characters so the CLI's error stays readable."""
+    text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,77 @@
+"""Resolve MODEL (a directory, a .gguf file, `demo`, or a hub id) and load it onto a device."""
+
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from rbee_worker.devices import Placement, check_placement
+from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.demo import demo_model_path
+from rbee_worker.models.loaded import LoadedModel
+
+GGUF_MAGIC = b"GGUF"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model_path(spec: str) -> Path:
+    """The local file or directory that MODEL names; hub ids come from the local huggingface_hub cache only."""
+    if spec == "demo":
+        return demo_model_path()
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path
+    if HUB_ID.fullmatch(spec) and not spec.startswith(("./", "../")):
+        return hub_snapshot(spec)
+    raise ModelLoadError(f"model path {spec} does not exist; pass a model directory, a .gguf file or `demo`")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError) as exc:
+        # The spec may also be a mistyped relative path, so say that no such path exists either.
+        raise ModelLoadError(
+            f"model {repo_id} is neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"rbee-worker never downloads weights: fetch it first (e.g. `hf download {repo_id}`) or pass a local path"
+        ) from exc
+
+
+def is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read model file {path}: {exc.strerror or exc}; check its permissions") from exc
+
+
+def load_model(spec: str, placement: Placement) -> LoadedModel:
+    """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message."""
+    from rbee_worker.models.gguf_model import load_gguf
+    from rbee_worker.models.hf import load_hf_directory
+
+    started = time.perf_counter()
+    path = resolve_model_path(spec)
+    try:
+        if path.is_dir():
+            loaded = load_hf_directory(path, placement.device, placement.dtype)
+        elif path.is_file() and is_gguf(path):
+            loaded = load_gguf(path, placement.device, placement.dtype)
+        else:
+            raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    except torch.OutOfMemoryError as exc:
+        raise ModelLoadError(
+            f"not enough memory on {placement.device} to load {path.name}; use a smaller model"
+        ) from exc
+    except MemoryError as exc:
+        raise ModelLoadError(f"not enough host memory to load {path.name}; use a smaller model") from exc
+    check_placement(loaded.model, placement.device)
+    info = dataclasses.replace(loaded.info, load_seconds=time.perf_counter() - started)
+    return dataclasses.replace(loaded, info=info)

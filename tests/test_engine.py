@@ -1,0 +1,157 @@
+"""The engine on the real demo model: stop reasons, stop strings, seeds, cancellation, concurrency, streaming text."""
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
+from rbee_worker.models.loader import load_model
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
+STORY = "Once upon a time, in a small village by the sea,"
+
+
+@pytest.fixture(scope="module")
+def engine(demo_gguf: Path):
+    engine = Engine(load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
+    yield engine
+    engine.close()
+
+
+def run(engine: Engine, request: Request) -> tuple[list[Event], str, list[int], End | Error]:
+    events = list(engine.stream(request))
+    pieces = [e for e in events if isinstance(e, Token)]
+    return events, "".join(p.text for p in pieces), [i for p in pieces for i in p.token_ids], events[-1]
+
+
+def test_event_order_and_counts(engine: Engine) -> None:
+    events, text, ids, end = run(engine, Request(engine.tokenize(STORY), max_tokens=20, sampling=GREEDY))
+    assert isinstance(events[0], Started) and events[0].prompt_tokens == len(engine.tokenize(STORY))
+    assert all(isinstance(e, Token) for e in events[1:-1])
+    assert [e.index for e in events[1:-1]] == list(range(len(events) - 2))
+    assert isinstance(end, End) and end.stop_reason is StopReason.MAX_TOKENS
+    assert end.tokens_out == len(ids) == 20
+    assert text == engine.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_eos_ends_generation_and_is_not_counted(engine: Engine) -> None:
+    prompt = engine.tokenize_chat([{"role": "user", "content": "Say hello."}])
+    _, text, ids, end = run(engine, Request(prompt, max_tokens=200, sampling=GREEDY))
+    assert end.stop_reason is StopReason.EOS
+    assert end.tokens_out == len(ids) < 200
+    assert not engine.loaded.info.eos_token_ids & set(ids)
+    assert text.strip()
+
+
+def test_stop_string_across_token_boundary(engine: Engine) -> None:
+    _, full_text, full_ids, _ = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY))
+    tokenizer = engine.loaded.tokenizer
+    # A stop string that starts inside one token and ends inside a later one.
+    boundary = len(tokenizer.decode(full_ids[:10]))
+    stop = full_text[boundary - 2 : boundary + 3]
+    assert len(tokenizer.decode(full_ids[9:10])) >= 2, "pick a boundary where the earlier token has 2+ characters"
+    events, text, ids, end = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(stop,)))
+    assert end.stop_reason is StopReason.STOP_SEQUENCE and end.stop_sequence == stop
+    assert text == full_text[: full_text.index(stop)]
+    assert all(stop not in e.text for e in events if isinstance(e, Token))
+    assert ids == full_ids[: end.tokens_out]  # generation stopped at the token completing the match
+    assert end.tokens_out == 11
+
+
+def test_earliest_of_several_stop_strings_wins(engine: Engine) -> None:
+    _, full_text, _, _ = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY))
+    late, early = full_text[30:36], full_text[12:15]
+    _, text, _, end = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(late, early)))
+    assert end.stop_sequence == early and text == full_text[: full_text.index(early)]
+
+
+def test_same_seed_same_tokens_and_absent_seed_is_reported(engine: Engine) -> None:
+    prompt = engine.tokenize(STORY)
+    _, _, first, end1 = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=1234))
+    _, _, second, end2 = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=1234))
+    _, _, other, _ = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=99))
+    assert first == second and end1.seed == end2.seed == 1234
+    assert other != first
+    _, _, unseeded, end = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED))
+    _, _, replayed, _ = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=end.seed))
+    assert replayed == unseeded
+
+
+def test_prompt_beyond_context_is_refused_before_generating(engine: Engine) -> None:
+    context = engine.loaded.info.context_length
+    events = list(engine.stream(Request(engine.tokenize(STORY), max_tokens=context)))
+    assert len(events) == 1 and isinstance(events[0], Error)
+    assert events[0].code is ErrorCode.INVALID_REQUEST and "context" in events[0].message
+
+
+def test_cancel_mid_stream_then_serve_the_next(engine: Engine) -> None:
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    request = Request(engine.tokenize(STORY), max_tokens=2000 if engine.loaded.info.context_length > 2100 else 500)
+    engine.submit(request, events.put)
+    tokens = 0
+    while tokens < 3:
+        tokens += isinstance(events.get(timeout=30), Token)
+    cancelled_at = time.perf_counter()
+    engine.cancel(request.request_id)
+    while not isinstance(event := events.get(timeout=5), End | Error):
+        pass
+    assert isinstance(event, End) and event.stop_reason is StopReason.CANCELLED
+    assert time.perf_counter() - cancelled_at < 1.0
+    _, _, _, end = run(engine, Request(engine.tokenize(STORY), max_tokens=5, sampling=GREEDY))
+    assert end.stop_reason is StopReason.MAX_TOKENS and engine.active_requests == 0
+
+
+def test_leaving_the_stream_cancels(engine: Engine) -> None:
+    stream = engine.stream(Request(engine.tokenize(STORY), max_tokens=500))
+    for event in stream:
+        if isinstance(event, Token):
+            break
+    stream.close()
+    deadline = time.perf_counter() + 2
+    while engine.active_requests and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert engine.active_requests == 0
+
+
+def test_concurrent_requests_interleave_and_match_their_solo_runs(engine: Engine) -> None:
+    prompts = [STORY, "The three primary colors are", "def add(a, b):\n"]
+    requests = [Request(engine.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
+    solo = [run(engine, r)[2] for r in requests]
+    results: dict[int, list[int]] = {}
+    order: list[int] = []  # which request each streamed token belonged to, in arrival order
+
+    def consume(i: int) -> None:
+        ids = []
+        for event in engine.stream(requests[i]):
+            if isinstance(event, Token):
+                ids.extend(event.token_ids)
+                order.append(i)
+        results[i] = ids
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[i] for i in range(3)] == solo
+    # Interleaved, not one after the other: the first request is not finished before the others start.
+    assert set(order[: len(order) // 2]) == {0, 1, 2}
+
+
+def test_same_request_id_twice_is_refused(engine: Engine) -> None:
+    first: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    request = Request(engine.tokenize(STORY), max_tokens=200, request_id="job-1")
+    engine.submit(request, first.put)
+    assert isinstance(first.get(timeout=30), Started)
+    events = list(engine.stream(Request(engine.tokenize(STORY), max_tokens=5, request_id="job-1")))
+    assert len(events) == 1 and isinstance(events[0], Error) and "already running" in events[0].message
+    engine.cancel("job-1")
+    while not isinstance(first.get(timeout=5), End | Error):
+        pass
