@@ -53,16 +53,21 @@ def test_eos_ends_generation_and_is_not_counted(engine: Engine) -> None:
 def test_stop_string_across_token_boundary(engine: Engine) -> None:
     _, full_text, full_ids, _ = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY))
     tokenizer = engine.loaded.tokenizer
-    # A stop string that starts inside one token and ends inside a later one.
-    boundary = len(tokenizer.decode(full_ids[:10]))
+    # A stop string that starts inside token k-1 and ends inside token k (both long enough), seen nowhere earlier.
+    k = next(
+        k
+        for k in range(5, 30)
+        if len(tokenizer.decode(full_ids[k - 1 : k])) >= 2 and len(tokenizer.decode(full_ids[k : k + 1])) >= 3
+    )
+    boundary = len(tokenizer.decode(full_ids[:k]))
     stop = full_text[boundary - 2 : boundary + 3]
-    assert len(tokenizer.decode(full_ids[9:10])) >= 2, "pick a boundary where the earlier token has 2+ characters"
+    assert full_text.index(stop) == boundary - 2
     events, text, ids, end = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(stop,)))
     assert end.stop_reason is StopReason.STOP_SEQUENCE and end.stop_sequence == stop
     assert text == full_text[: full_text.index(stop)]
     assert all(stop not in e.text for e in events if isinstance(e, Token))
     assert ids == full_ids[: end.tokens_out]  # generation stopped at the token completing the match
-    assert end.tokens_out == 11
+    assert end.tokens_out == k + 1
 
 
 def test_earliest_of_several_stop_strings_wins(engine: Engine) -> None:

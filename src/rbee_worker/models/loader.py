@@ -57,6 +57,9 @@ def load_model(spec: str, placement: Placement) -> LoadedModel:
     from rbee_worker.models.gguf_model import load_gguf
     from rbee_worker.models.hf import load_hf_directory
 
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # a worker's stderr carries log lines, not progress bars
     started = time.perf_counter()
     path = resolve_model_path(spec)
     try:

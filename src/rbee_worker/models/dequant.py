@@ -1,0 +1,181 @@
+"""Vectorized torch dequantization of GGML tensor data.
+
+Each quantized type is a run of fixed-size blocks (`gguf.constants.GGML_QUANT_SIZES` gives values per block and
+bytes per block). We view the bytes as a `(n_blocks, type_size)` uint8 tensor, slice the fields out as views and
+unpack every block at once. The arithmetic mirrors `gguf.quants` (the numpy reference) operation by operation, in
+float32 and without fused multiply-adds, so the results are bit-identical to it; other dtypes are one final cast.
+"""
+
+from collections.abc import Callable
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from rbee_worker.errors import ModelLoadError
+
+_T = GGMLQuantizationType
+
+
+def _unpack(packed: torch.Tensor, run: int, bits: int) -> torch.Tensor:
+    """Split the bytes of `packed` (n_blocks, k) into `bits`-wide fields, in element order.
+
+    ggml packs values in runs of `run` bytes: field j of byte i of a run is element j * run + i of that run.
+    """
+    n_blocks = packed.shape[0]
+    # Made on the data's device (a CUDA tensor cannot be shifted by a CPU one) without a host-to-device copy.
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device).view(1, 1, -1, 1)
+    fields = (packed.reshape(n_blocks, -1, 1, run) >> shifts) & ((1 << bits) - 1)
+    return fields.reshape(n_blocks, -1)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 field at byte `start` of every block, as a float32 (n_blocks, 1) column."""
+    return blocks[:, start : start + 2].view(torch.float16).float()
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte Q4_K/Q5_K field into eight 6-bit scales and eight 6-bit mins (ggml's get_scale_min_k4)."""
+    d, m, m_d = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=1)
+    mins = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=1)
+    return scales, mins
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _unpack(blocks[:, 2:], 16, 4).view(torch.int8) - 8
+    return q.float().mul_(_f16(blocks, 0))
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _unpack(blocks[:, 4:], 16, 4)
+    return q.float().mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
+
+
+def _q5(blocks: torch.Tensor, qh_start: int) -> torch.Tensor:
+    """The 5-bit values of Q5_0/Q5_1: low nibbles plus one high bit each from a little-endian uint32."""
+    high = _unpack(blocks[:, qh_start : qh_start + 4], 1, 1)
+    return _unpack(blocks[:, qh_start + 4 :], 16, 4) | (high << 4)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _q5(blocks, 2).view(torch.int8) - 16
+    return q.float().mul_(_f16(blocks, 0))
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _q5(blocks, 4).float().mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, 2:].view(torch.int8).float().mul_(_f16(blocks, 0))
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n_blocks = blocks.shape[0]
+    scales = blocks[:, 0:16]
+    dl = (_f16(blocks, 80) * (scales & 0x0F).float()).view(n_blocks, 16, 1)
+    ml = (_f16(blocks, 82) * (scales >> 4).float()).view(n_blocks, 16, 1)
+    q = _unpack(blocks[:, 16:80], 32, 2).float().view(n_blocks, 16, 16)
+    return q.mul_(dl).sub_(ml).view(n_blocks, -1)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n_blocks = blocks.shape[0]
+    packed = blocks[:, 96:108]
+    scales = _unpack(packed[:, 0:8], 8, 4) | (_unpack(packed[:, 8:12], 4, 2) << 4)
+    dl = (_f16(blocks, 108) * (scales.view(torch.int8) - 32).float()).view(n_blocks, 16, 1)
+    low = _unpack(blocks[:, 32:96], 32, 2)
+    # A set hmask bit means "no offset"; a clear one subtracts 4.
+    high = (_unpack(blocks[:, 0:32], 32, 1) ^ 1) << 2
+    q = (low.view(torch.int8) - high.view(torch.int8)).float().view(n_blocks, 16, 16)
+    return q.mul_(dl).view(n_blocks, -1)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n_blocks = blocks.shape[0]
+    scales, mins = _k_scales(blocks[:, 4:16])
+    d = (_f16(blocks, 0) * scales.float()).view(n_blocks, 8, 1)
+    dm = (_f16(blocks, 2) * mins.float()).view(n_blocks, 8, 1)
+    q = _unpack(blocks[:, 16:], 32, 4).float().view(n_blocks, 8, 32)
+    return q.mul_(d).sub_(dm).view(n_blocks, -1)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n_blocks = blocks.shape[0]
+    scales, mins = _k_scales(blocks[:, 4:16])
+    d = (_f16(blocks, 0) * scales.float()).view(n_blocks, 8, 1)
+    dm = (_f16(blocks, 2) * mins.float()).view(n_blocks, 8, 1)
+    q = _unpack(blocks[:, 48:], 32, 4) | (_unpack(blocks[:, 16:48], 32, 1) << 4)
+    return q.float().view(n_blocks, 8, 32).mul_(d).sub_(dm).view(n_blocks, -1)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n_blocks = blocks.shape[0]
+    d = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).view(n_blocks, 16, 1)
+    q = _unpack(blocks[:, 0:128], 64, 4) | (_unpack(blocks[:, 128:192], 32, 2) << 4)
+    q = (q.view(torch.int8) - 32).float().view(n_blocks, 16, 16)
+    return q.mul_(d).view(n_blocks, -1)
+
+
+# Block dequantizers: (n_blocks, type_size) uint8 -> (n_blocks, block_size) float32.
+_BLOCK_DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    _T.Q4_0: _q4_0,
+    _T.Q4_1: _q4_1,
+    _T.Q5_0: _q5_0,
+    _T.Q5_1: _q5_1,
+    _T.Q8_0: _q8_0,
+    _T.Q2_K: _q2_k,
+    _T.Q3_K: _q3_k,
+    _T.Q4_K: _q4_k,
+    _T.Q5_K: _q5_k,
+    _T.Q6_K: _q6_k,
+}
+# Plain floating-point types: a reinterpretation and a cast.
+_FLOAT_TYPES = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
+
+SUPPORTED_TYPES: frozenset[int] = frozenset(_FLOAT_TYPES.keys() | _BLOCK_DEQUANTIZERS.keys())
+
+
+def type_name(ggml_type: int) -> str:
+    """`Q4_K` for a known GGML type, `#99` for an unknown one."""
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type}"
+
+
+def dequantize(
+    raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Dequantize the bytes `raw` of one tensor of `ggml_type` into a new `dtype` tensor of `shape`.
+
+    `raw` may be a view into a read-only mmap: it is only read, and the result never aliases it.
+    """
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"raw must be a uint8 tensor, got {raw.dtype}")
+    if ggml_type not in SUPPORTED_TYPES:
+        supported = ", ".join(type_name(t) for t in sorted(SUPPORTED_TYPES))
+        raise ModelLoadError(
+            f"GGML type {type_name(ggml_type)} is not supported by rbee-worker (it reads {supported}); "
+            "use a GGUF quantized to one of those"
+        )
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    n_elements = 1
+    for dim in shape:
+        n_elements *= dim
+    # Blocks never span rows: ggml requires each row (the last dim) to be whole blocks.
+    if (shape[-1] if shape else 1) % block_size or raw.numel() != n_elements // block_size * type_size:
+        raise ModelLoadError(
+            f"{type_name(ggml_type)} data of {raw.numel()} bytes does not match shape {tuple(shape)}; "
+            "the model is corrupt"
+        )
+    if n_elements == 0:  # legal in GGUF; the block reshapes below cannot infer a size from nothing
+        return torch.empty(shape, dtype=dtype, device=raw.device)
+    raw = raw.reshape(-1)
+    # torch reinterprets bytes as wider dtypes only at offsets aligned to the item size (at most 4 bytes here).
+    if raw.storage_offset() % 4:
+        raw = raw.clone()
+    if (float_dtype := _FLOAT_TYPES.get(ggml_type)) is not None:
+        return raw.view(float_dtype).to(dtype, copy=True).view(shape)
+    values = _BLOCK_DEQUANTIZERS[ggml_type](raw.view(-1, type_size))
+    return values.view(shape).to(dtype)

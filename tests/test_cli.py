@@ -1,0 +1,79 @@
+"""`rbee-worker generate` as a real process on the demo model."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.models.gguf_tokenizer import build_tokenizer
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_gguf: Path):
+    return build_tokenizer(read_gguf(demo_gguf).metadata)
+
+
+def generate_json(*args: str) -> dict:
+    result = cli("generate", "--model", "demo", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    return json.loads(lines[0])
+
+
+def test_json_summary(tokenizer) -> None:
+    summary = generate_json("--prompt", PROMPT, "--temperature", "0", "--max-tokens", "24")
+    assert set(summary) == {"text", "token_ids", "prompt_tokens", "tokens_out", "stop_reason", "seed"}
+    assert summary["stop_reason"] == "MAX_TOKENS"
+    assert summary["tokens_out"] == len(summary["token_ids"]) == 24
+    assert summary["prompt_tokens"] == len(tokenizer(PROMPT)["input_ids"])
+    assert summary["text"] == tokenizer.decode(summary["token_ids"], skip_special_tokens=True)
+    assert isinstance(summary["seed"], int)
+
+
+def test_streamed_text_equals_json_text_and_arrives_incrementally() -> None:
+    args = ["generate", "--model", "demo", "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "64"]
+    process = subprocess.Popen([sys.executable, "-m", "rbee_worker", *args], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    first = process.stdout.read(1)
+    first_at = time.perf_counter()
+    rest = process.stdout.read()
+    assert process.wait(timeout=300) == 0
+    # 64 tokens take well over a second here: text that only appeared at exit would arrive all at once.
+    assert time.perf_counter() - first_at > 0.3
+    streamed = (first + rest).removesuffix("\n")
+    assert streamed == generate_json("--prompt", PROMPT, "--temperature", "0", "--max-tokens", "64")["text"]
+
+
+def test_chat_applies_the_template(tokenizer) -> None:
+    summary = generate_json("--chat", "--prompt", "Say hello.", "--temperature", "0", "--max-tokens", "64")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=False
+    )
+    assert summary["prompt_tokens"] == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    assert summary["stop_reason"] == "EOS"
+    assert 2 not in summary["token_ids"]
+
+
+def test_seed_replays_and_stop_cuts() -> None:
+    sampled = ["--prompt", PROMPT, "--temperature", "0.8", "--max-tokens", "24"]
+    first = generate_json(*sampled)
+    assert generate_json(*sampled, "--seed", str(first["seed"]))["token_ids"] == first["token_ids"]
+    stop = first["text"][5:9]
+    stopped = generate_json(*sampled, "--seed", str(first["seed"]), "--stop", stop)
+    assert stopped["stop_reason"] == "STOP_SEQUENCE"
+    assert stopped["text"] == first["text"][: first["text"].index(stop)]
+
+
+def test_context_overflow_is_a_usage_error() -> None:
+    result = cli("generate", "--model", "demo", "--prompt", "word " * 8000, "--max-tokens", "2048")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "context" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
