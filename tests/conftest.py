@@ -42,12 +42,28 @@ path = {str(demo_gguf)!r}
 model = AutoModelForCausalLM.from_pretrained({str(demo_gguf.parent)!r}, gguf_file={demo_gguf.name!r},
                                              dtype=torch.float32)
 model.generation_config.eos_token_id = [2]
+# The weights are dequantized already; drop the GGUF quantizer marker so that save_pretrained writes them plainly.
+model.hf_quantizer = None
+del model.config.quantization_config
 model.save_pretrained({str(staging)!r})
 build_tokenizer(read_gguf(path).metadata).save_pretrained({str(staging)!r})
 """
         subprocess.run([sys.executable, "-c", script], check=True)
         staging.replace(target)
     return target
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's tokenizer alone (3.5 MB): `RBEE_TEST_TOKENIZER_DIR` where the GGUF is not at hand (GPU box)."""
+    if explicit := os.environ.get("RBEE_TEST_TOKENIZER_DIR"):
+        return Path(explicit)
+    from rbee_worker.models.gguf_format import read_gguf
+    from rbee_worker.models.gguf_tokenizer import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("demo-tokenizer")
+    build_tokenizer(read_gguf(demo_model_path()).metadata).save_pretrained(directory)
+    return directory
 
 
 def make_tiny_model(directory: Path, model_type: str, tokenizer_dir: Path, **overrides) -> Path:
@@ -75,12 +91,12 @@ def make_tiny_model(directory: Path, model_type: str, tokenizer_dir: Path, **ove
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory, demo_hf_dir: Path) -> dict[str, Path]:
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> dict[str, Path]:
     """Tiny random mistral and qwen2 models (GQA, untied / tied embeddings)."""
     root = tmp_path_factory.mktemp("tiny")
     return {
-        "mistral": make_tiny_model(root / "mistral", "mistral", demo_hf_dir, sliding_window=None),
-        "qwen2": make_tiny_model(root / "qwen2", "qwen2", demo_hf_dir, tie_word_embeddings=True),
+        "mistral": make_tiny_model(root / "mistral", "mistral", demo_tokenizer_dir, sliding_window=None),
+        "qwen2": make_tiny_model(root / "qwen2", "qwen2", demo_tokenizer_dir, tie_word_embeddings=True),
     }
 
 

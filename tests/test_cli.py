@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import cli
+
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 

@@ -45,15 +45,26 @@ def bounded(kind: type, low: float | None = None, high: float | None = None, low
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and device")
-    group.add_argument("--model", default="demo", help="HF model directory, .gguf file, hub id in the local cache, "
-                       "or `demo` (SmolLM2-135M-Instruct Q4_1, fetched into the user cache on first use)")
+    group.add_argument(
+        "--model",
+        default="demo",
+        help="HF model directory, .gguf file, hub id in the local cache, "
+        "or `demo` (SmolLM2-135M-Instruct Q4_1, fetched into the user cache on first use)",
+    )
     group.add_argument("--device", default=None, help="auto|cpu|cuda|cuda:N|mps (or N with --backend)")
     group.add_argument("--backend", choices=["cpu", "cuda", "mps"], help="seed-style device family; --device N picks")
     group.add_argument("--cuda-device", type=bounded(int, 0), metavar="N", help="same as --device cuda:N")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="auto: bfloat16 on CUDA, float16 on MPS, bfloat16 on CPU (measured fastest)")
-    group.add_argument("--deterministic", action="store_true",
-                       help="batch-invariant mode: a request's tokens never depend on other running requests")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float16 on MPS, bfloat16 on CPU (measured fastest)",
+    )
+    group.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant mode: a request's tokens never depend on other running requests",
+    )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -75,10 +86,17 @@ def build_parser() -> Parser:
     sampling.add_argument("--presence-penalty", type=bounded(float, -2.0, 2.0), default=0.0)
     sampling.add_argument("--frequency-penalty", type=bounded(float, -2.0, 2.0), default=0.0)
     sampling.add_argument("--seed", type=bounded(int, 0, 2**64 - 1), default=None, help="default: random, reported")
-    sampling.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
-                          help="stop strings (up to 4), matched across token boundaries")
-    sampling.add_argument("--json", action="store_true",
-                          help="print only one JSON summary line at the end instead of streaming text")
+    sampling.add_argument(
+        "--stop",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="STR",
+        help="stop strings (up to 4), matched across token boundaries",
+    )
+    sampling.add_argument(
+        "--json", action="store_true", help="print only one JSON summary line at the end instead of streaming text"
+    )
     generate.set_defaults(run=run_generate)
     return parser
 
@@ -95,19 +113,33 @@ def run_generate(args: argparse.Namespace) -> int:
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     loaded = load_model(args.model, placement)
     info = loaded.info
-    log.info("loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights", info.name, info.format,
-             info.architecture, info.device, str(info.dtype).removeprefix("torch."), info.load_seconds,
-             info.weight_bytes >> 20)
+    log.info(
+        "loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights",
+        info.name,
+        info.format,
+        info.architecture,
+        info.device,
+        str(info.dtype).removeprefix("torch."),
+        info.load_seconds,
+        info.weight_bytes >> 20,
+    )
     engine = Engine(loaded, deterministic=args.deterministic)
     try:
-        prompt_ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}]) if args.chat \
+        prompt_ids = (
+            engine.tokenize_chat([{"role": "user", "content": args.prompt}])
+            if args.chat
             else engine.tokenize(args.prompt)
+        )
         request = Request(
             prompt_ids=prompt_ids,
             max_tokens=args.max_tokens,
             sampling=SamplingParams(
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty,
             ),
             seed=args.seed,
@@ -145,8 +177,11 @@ def report(as_json: bool, end, text: str, token_ids: list[int]) -> None:
         return
     rate = (end.tokens_out - 1) / end.decode_time_s if end.tokens_out > 1 and end.decode_time_s > 0 else 0.0
     print(file=sys.stdout)
-    print(f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, "
-          f"{rate:.1f} tok/s, seed {end.seed}", file=sys.stderr)
+    print(
+        f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, "
+        f"{rate:.1f} tok/s, seed {end.seed}",
+        file=sys.stderr,
+    )
 
 
 def configure_logging(level: str) -> None:

@@ -78,10 +78,12 @@ def parse_device(device: str | None, backend: str | None = None, cuda_device: in
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on CUDA, fp16 on MPS, and on CPU the dtype measured fastest (CPU_AUTO_DTYPE)."""
+    """`auto`: bf16 on CUDA (fp16 on GPUs without bf16), fp16 on MPS, and on CPU the dtype measured fastest."""
     name = (dtype or "auto").lower()
     if name == "auto":
-        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, CPU_AUTO_DTYPE)
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device.type == "mps" else CPU_AUTO_DTYPE
     if name not in DTYPES:
         raise DeviceError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     if device.type == "cuda" and DTYPES[name] is torch.bfloat16 and not torch.cuda.is_bf16_supported():

@@ -3,9 +3,9 @@
 Text is produced by `tokenizers.decoders.DecodeStream`, which emits a piece only once it decodes to whole UTF-8
 characters and handles the leading-space rules of SentencePiece and byte-level BPE, so the pieces concatenate to
 `tokenizer.decode(ids, skip_special_tokens=True)`, except that a character left incomplete when generation ends
-(max_tokens reached in the middle of a multi-byte character) is dropped instead of becoming U+FFFD. On top of it, text that could still be the start of a stop string
-is held back (at most the longest stop string minus one character), and a matched stop string and everything after
-it are never released.
+(max_tokens reached in the middle of a multi-byte character) is dropped instead of becoming U+FFFD. On top of it,
+text that could still be the start of a stop string is held back (at most the longest stop string minus one
+character), and a matched stop string and everything after it are never released.
 """
 
 from tokenizers import Tokenizer

@@ -187,7 +187,9 @@ class Engine:
             logits = self._forward(sequence)
             token = sequence.sampler(logits, sequence.output_ids)
         except torch.OutOfMemoryError:
-            self._fail(sequence, ErrorCode.VRAM_OOM, "out of device memory during generation; retry with a shorter request")
+            self._fail(
+                sequence, ErrorCode.VRAM_OOM, "out of device memory during generation; retry with a shorter request"
+            )
             return
         except Exception as exc:  # a failed forward must end this request, never the engine thread
             log.exception("inference failed for request %s", sequence.request.request_id)
@@ -254,5 +256,8 @@ def _cache_bytes(cache: DynamicCache | None) -> int:
     if cache is None:
         return 0
     return sum(
-        tensor.nbytes for layer in cache.layers for tensor in (layer.keys, layer.values) if isinstance(tensor, torch.Tensor)
+        tensor.nbytes
+        for layer in cache.layers
+        for tensor in (layer.keys, layer.values)
+        if isinstance(tensor, torch.Tensor)
     )

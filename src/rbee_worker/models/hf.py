@@ -27,6 +27,7 @@ def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype) -> L
     shards = weight_files(path)
     check_fits(weight_elements(shards) * dtype.itemsize, device, f"the weights of {path.name}")
     tokenizer = load_tokenizer(path)
+    generation_eos = read_generation_eos(path)
     try:
         # Shape mismatches are reported by check_loading_info: transformers' own error points at a log report that
         # the CLI silences.
@@ -41,14 +42,10 @@ def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype) -> L
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(f"not enough memory on {device} to load {path.name}; use a smaller model") from exc
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        raise ModelLoadError(f"cannot load the weights of {path}: {first_line(exc)}") from exc
+        raise ModelLoadError(
+            f"cannot load the weights of {path} ({first_line(exc)}); re-download or re-convert the model"
+        ) from exc
     check_loading_info(loading_info, path, config.model_type)
-    generation_eos = None
-    if (path / "generation_config.json").is_file():
-        try:
-            generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"invalid generation_config.json in {path}: {first_line(exc)}") from exc
     info = {
         "name": path.name,
         "path": path,
@@ -59,6 +56,19 @@ def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype) -> L
         "dtype": dtype,
     }
     return finish(model.to(device), tokenizer, info, device)
+
+
+def read_generation_eos(path: Path) -> int | list[int] | None:
+    """The EOS id(s) of generation_config.json, if the directory has one; read before the weights so a bad file
+    fails fast."""
+    if not (path / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(
+            f"invalid generation_config.json in {path} ({first_line(exc)}); fix or delete that file"
+        ) from exc
 
 
 def read_config(path: Path) -> PretrainedConfig:
@@ -148,8 +158,11 @@ def load_tokenizer(path: Path):
         raise ModelLoadError(f"{path} has no tokenizer (tokenizer.json); copy the model's tokenizer files into it")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {path}: {first_line(exc)}") from exc
+    except Exception as exc:  # the Rust tokenizers library raises a bare Exception for a malformed tokenizer.json
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {path} ({type(exc).__name__}: {first_line(exc)}); "
+            "copy the model's original tokenizer files into it"
+        ) from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{path} has no tokenizer.json (a fast tokenizer is required); add it to the directory")
     return tokenizer

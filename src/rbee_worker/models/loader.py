@@ -54,10 +54,10 @@ def is_gguf(path: Path) -> bool:
 
 def load_model(spec: str, placement: Placement) -> LoadedModel:
     """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message."""
+    import transformers
+
     from rbee_worker.models.gguf_model import load_gguf
     from rbee_worker.models.hf import load_hf_directory
-
-    import transformers
 
     transformers.utils.logging.disable_progress_bar()  # a worker's stderr carries log lines, not progress bars
     started = time.perf_counter()

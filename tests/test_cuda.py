@@ -1,0 +1,81 @@
+"""CUDA parity on a random-weight Llama (fixed seed, demo tokenizer). Skipped where there is no CUDA GPU (CI)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from rbee_worker.devices import Placement
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Request, Token
+from rbee_worker.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    # Larger init than the default 0.02 so logits are peaked: greedy then depends on the weights, not on ties.
+    return make_tiny_model(
+        tmp_path_factory.mktemp("llama") / "model",
+        "llama",
+        demo_tokenizer_dir,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
+
+
+def greedy(engine: Engine, prompt: str, tokens: int = 64) -> list[int]:
+    request = Request(engine.tokenize(prompt), max_tokens=tokens, sampling=SamplingParams(temperature=0.0))
+    events = list(engine.stream(request))
+    assert isinstance(events[-1], End)
+    return [i for e in events if isinstance(e, Token) for i in e.token_ids]
+
+
+def last_logits(loaded, prompt: str) -> torch.Tensor:
+    ids = torch.tensor([loaded.tokenizer(prompt)["input_ids"]], device=loaded.info.device)
+    with torch.inference_mode():
+        return loaded.model(ids).logits[0, -1].float().cpu()
+
+
+def test_cuda_fp32_greedy_equals_cpu_fp32(random_llama: Path) -> None:
+    engines = [Engine(load_model(str(random_llama), Placement(d, torch.float32))) for d in (CPU, CUDA)]
+    try:
+        for prompt in PROMPTS:
+            assert greedy(engines[1], prompt) == greedy(engines[0], prompt)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_cuda_bf16_logits_are_as_close_to_fp32_as_cpu_bf16(random_llama: Path) -> None:
+    """bf16 keeps 8 significant bits, so both devices' bf16 logits differ from fp32; CUDA must not be worse than
+    the CPU's own bf16 rounding error by more than a factor of 2 (different kernels round in different places)."""
+    reference = load_model(str(random_llama), Placement(CPU, torch.float32))
+    cpu_bf16 = load_model(str(random_llama), Placement(CPU, torch.bfloat16))
+    cuda_bf16 = load_model(str(random_llama), Placement(CUDA, torch.bfloat16))
+    for prompt in PROMPTS:
+        expected = last_logits(reference, prompt)
+        cpu_error = (last_logits(cpu_bf16, prompt) - expected).abs().max().item()
+        cuda_error = (last_logits(cuda_bf16, prompt) - expected).abs().max().item()
+        scale = expected.abs().max().item()
+        assert cuda_error <= 2 * cpu_error + 1e-3 * scale, (prompt, cuda_error, cpu_error, scale)
+
+
+def test_model_lands_on_the_gpu_and_memory_is_measured(random_llama: Path) -> None:
+    loaded = load_model(str(random_llama), Placement(CUDA, torch.bfloat16))
+    assert all(p.device.type == "cuda" for p in loaded.model.parameters())
+    engine = Engine(loaded)
+    try:
+        assert engine.memory_bytes() >= loaded.info.weight_bytes > 0
+    finally:
+        engine.close()
