@@ -22,7 +22,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def fail(message: str, code: int) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)  # always one line
     sys.exit(code)
 
 
@@ -102,14 +102,15 @@ def build_parser() -> Parser:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    # Checked before the heavy imports below, so a typo fails at once.
+    if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
+        fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
     from rbee_worker.devices import resolve_placement
     from rbee_worker.engine.engine import Engine
     from rbee_worker.engine.sampling import SamplingParams
     from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
     from rbee_worker.models.loader import load_model
 
-    if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
-        fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     loaded = load_model(args.model, placement)
     info = loaded.info
@@ -186,10 +187,6 @@ def report(as_json: bool, end, text: str, token_ids: list[int]) -> None:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

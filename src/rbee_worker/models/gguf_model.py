@@ -22,11 +22,22 @@ from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
 
 # GGUF architecture -> transformers model_type, for the architectures whose GGUF metadata and tensors map onto the
-# transformers model without architecture-specific rewrites beyond the Q/K permutation below.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# transformers model without architecture-specific rewrites beyond the Q/K permutation below. There is no "mistral":
+# llama.cpp has no such GGUF architecture (gguf-py names no tensors for it) and converts Mistral models as "llama".
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # llama.cpp's converter interleaves the rotary halves of Q and K for these architectures; undo it.
-PERMUTED_QK = {"llama", "mistral"}
+PERMUTED_QK = {"llama"}
+
+# Optional bias tensors (llama.cpp loads them when present) -> the transformers config flag that adds them. qwen2 is
+# absent: its q/k/v biases are always part of the architecture.
+BIAS_FLAGS = {
+    "llama": {"attn_q.bias": "attention_bias", "ffn_up.bias": "mlp_bias"},
+    "qwen3": {"attn_q.bias": "attention_bias"},
+}
+
+# Token ids besides EOS that end generation in llama.cpp (end of turn, end of message).
+END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 # GGUF metadata key (after "<arch>.") -> transformers config field.
 CONFIG_KEYS = {
@@ -80,7 +91,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMod
         "format": "gguf",
         "architecture": config.model_type,
         "context_length": config.max_position_embeddings,
-        "eos_token_ids": eos_ids(config.eos_token_id, tokenizer.eos_token_id),
+        "eos_token_ids": eos_ids(config.eos_token_id, tokenizer.eos_token_id, end_token_ids(file)),
         "dtype": dtype,
     }
     return finish(model.to(device), tokenizer, info, device)
@@ -117,6 +128,10 @@ def gguf_config(file: GGUFFile, arch: str) -> PretrainedConfig:
         or meta.get(f"{arch}.rope.dimension_count")
         or (fields["hidden_size"] // fields["num_attention_heads"])
     )
+    # A bias tensor the config does not ask for would be silently left out of the model.
+    for tensor, flag in BIAS_FLAGS.get(arch, {}).items():
+        if f"blk.0.{tensor}" in file.tensors:
+            fields[flag] = True
     token_id = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
     try:
         return AutoConfig.for_model(
@@ -134,6 +149,14 @@ def gguf_config(file: GGUFFile, arch: str) -> PretrainedConfig:
         ) from exc
 
 
+def end_token_ids(file: GGUFFile) -> list[int]:
+    """EOS, EOT and EOM ids of the file: llama.cpp stops on each (e.g. Llama 3's <|eot_id|> next to <|end_of_text|>)."""
+    n_tokens = len(file.metadata.get("tokenizer.ggml.tokens", ()))
+    ids = (file.metadata.get(key) for key in END_TOKEN_KEYS)
+    # llama.cpp ignores an id outside the vocabulary too (gguf_tokenizer logs it).
+    return [i for i in ids if type(i) is int and 0 <= i < n_tokens]
+
+
 def gguf_state_dict(
     file: GGUFFile,
     arch: str,
@@ -144,27 +167,39 @@ def gguf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Map GGUF tensor names to the model's parameter names and dequantize each tensor onto `device`."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
-    state: dict[str, torch.Tensor] = {}
     expected = skeleton.state_dict()
-    for hf_name, meta_tensor in expected.items():
+    sources: dict[str, str] = {}  # model parameter -> GGUF tensor
+    for hf_name in expected:
         base, _, suffix = hf_name.rpartition(".")
         gguf_base = names.get_name(base)
-        if gguf_base is None or f"{gguf_base}.{suffix}" not in file.tensors:
-            continue  # absent here (a tied lm_head, say); load_gguf refuses what is really missing
-        info = file.tensors[f"{gguf_base}.{suffix}"]
+        if gguf_base is not None and f"{gguf_base}.{suffix}" in file.tensors:
+            sources[hf_name] = f"{gguf_base}.{suffix}"
+        # else absent here (a tied lm_head, say); load_gguf refuses what is really missing
+    # transformers would ignore a tensor the model has no place for, and the model would silently run without it.
+    # Checked before dequantizing anything, so a big file fails at once.
+    if unused := sorted(set(file.tensors) - set(sources.values())):
+        raise ModelLoadError(
+            f"{file.path.name} has {len(unused)} tensor(s) that rbee-worker's {arch} model has no place for "
+            f"(e.g. {unused[0]}), so it would not compute what llama.cpp computes; use the model's Hugging Face "
+            "directory instead"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for hf_name, name in sources.items():
+        info, meta_tensor = file.tensors[name], expected[hf_name]
+        if info.shape != tuple(meta_tensor.shape):
+            raise ModelLoadError(
+                f"{file.path.name}: tensor {name} has shape {info.shape}, the architecture expects "
+                f"{tuple(meta_tensor.shape)}; the file's metadata and tensors disagree"
+            )
         # Dequantize where the model will live: on a GPU this is fast and the host never holds a float copy.
         try:
-            tensor = dequantize(file.raw(info.name).to(device), info.ggml_type, info.shape, dtype)
+            tensor = dequantize(file.raw(name).to(device), info.ggml_type, info.shape, dtype)
         except ModelLoadError as exc:  # dequantize does not know which file and tensor it was given
-            raise ModelLoadError(f"{file.path.name}: tensor {info.name}: {exc}") from exc
-        if arch in PERMUTED_QK and gguf_base.endswith(("attn_q", "attn_k")):
-            heads = config.num_attention_heads if gguf_base.endswith("attn_q") else config.num_key_value_heads
+            raise ModelLoadError(f"{file.path.name}: tensor {name}: {exc}") from exc
+        # After the shape check: the permutation keeps the shape but needs rows divisible by 2 * heads.
+        if arch in PERMUTED_QK and name.rpartition(".")[0].endswith(("attn_q", "attn_k")):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             tensor = unpermute_rotary(tensor, heads)
-        if tensor.shape != meta_tensor.shape:
-            raise ModelLoadError(
-                f"{file.path.name}: tensor {gguf_base}.{suffix} has shape {tuple(tensor.shape)}, the architecture "
-                f"expects {tuple(meta_tensor.shape)}; the file's metadata and tensors disagree"
-            )
         state[hf_name] = tensor
     return state
 

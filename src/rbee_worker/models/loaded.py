@@ -52,5 +52,6 @@ def eos_ids(*sources: int | list[int] | None) -> frozenset[int]:
 def finish(model: PreTrainedModel, tokenizer, info: dict, device: torch.device) -> LoadedModel:
     """Common last step of both loaders: eval mode, measured size, ModelInfo."""
     model.eval()
-    model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return LoadedModel(model, tokenizer, ModelInfo(**info, device=device, weight_bytes=tensor_bytes(model)))

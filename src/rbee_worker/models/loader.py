@@ -1,6 +1,7 @@
 """Resolve MODEL (a directory, a .gguf file, `demo`, or a hub id) and load it onto a device."""
 
 import dataclasses
+import logging
 import re
 import time
 from pathlib import Path
@@ -59,7 +60,10 @@ def load_model(spec: str, placement: Placement) -> LoadedModel:
     from rbee_worker.models.gguf_model import load_gguf
     from rbee_worker.models.hf import load_hf_directory
 
-    transformers.utils.logging.disable_progress_bar()  # a worker's stderr carries log lines, not progress bars
+    # A worker's stderr carries log lines, not progress bars; transformers' advice is noise unless debugging.
+    transformers.utils.logging.disable_progress_bar()
+    if not logging.getLogger("rbee_worker").isEnabledFor(logging.DEBUG):
+        transformers.utils.logging.set_verbosity_error()
     started = time.perf_counter()
     path = resolve_model_path(spec)
     try:
