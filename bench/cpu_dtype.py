@@ -3,15 +3,17 @@
     .venv/bin/python bench/cpu_dtype.py [--tokens 128] [--repeats 3] [--threads 2]
 
 For each dtype, the demo model generates greedily through rbee-worker's engine, and transformers' `generate` runs on
-the same loaded weights in the same process as the peer. Prints a table (median of the repeats) and writes JSON to
+the same weights as the peer, each in a fresh process. Prints a table (median of the repeats) and writes JSON to
 bench/results/cpu_dtype.json.
 """
 
 import argparse
 import json
+import multiprocessing
 import platform
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,6 +46,27 @@ def transformers_decode_rate(model, prompt_ids: tuple[int, ...], tokens: int) ->
         return (tokens - 1) / (time.perf_counter() - started - prefill)
 
 
+def measure(system: str, dtype_name: str, tokens: int, repeats: int, threads: int) -> list[float]:
+    """Decode rates of one system in this (fresh) process.
+
+    Each measurement gets its own process because torch's CPU kernels slow down by about half on one thread once
+    another live thread of the process has run them (see engine.Engine), which would penalise whichever runs second.
+    """
+    torch.set_num_threads(threads)
+    placement = Placement(torch.device("cpu"), DTYPES[dtype_name])
+    if system == "rbee":
+        engine = Engine(lambda: load_model("demo", placement))
+        prompt_ids = engine.tokenize(PROMPT)
+        engine_decode_rate(engine, prompt_ids, 8)  # warm-up: first-call kernel selection
+        rates = [engine_decode_rate(engine, prompt_ids, tokens) for _ in range(repeats)]
+        engine.close()
+        return rates
+    loaded = load_model("demo", placement)
+    prompt_ids = tuple(loaded.tokenizer(PROMPT)["input_ids"])
+    transformers_decode_rate(loaded.model, prompt_ids, 8)
+    return [transformers_decode_rate(loaded.model, prompt_ids, tokens) for _ in range(repeats)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=128)
@@ -51,27 +74,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
 
     rows = []
-    for name, dtype in DTYPES.items():
-        loaded = load_model("demo", Placement(torch.device("cpu"), dtype))
-        engine = Engine(loaded)
-        prompt_ids = engine.tokenize(PROMPT)
-        engine_decode_rate(engine, prompt_ids, 8)  # warm-up: first-call kernel selection
-        ours = [engine_decode_rate(engine, prompt_ids, args.tokens) for _ in range(args.repeats)]
-        engine.close()
-        peer = [transformers_decode_rate(loaded.model, prompt_ids, args.tokens) for _ in range(args.repeats)]
+    spawn = multiprocessing.get_context("spawn")
+    for name in DTYPES:
+        rates = {}
+        for system in ("rbee", "transformers"):
+            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                rates[system] = pool.submit(measure, system, name, args.tokens, args.repeats, args.threads).result()
         rows.append(
             {
                 "dtype": name,
-                "rbee_decode_tok_s": round(statistics.median(ours), 1),
-                "transformers_generate_tok_s": round(statistics.median(peer), 1),
-                "rbee_runs": [round(r, 1) for r in ours],
-                "transformers_runs": [round(r, 1) for r in peer],
+                "rbee_decode_tok_s": round(statistics.median(rates["rbee"]), 1),
+                "transformers_generate_tok_s": round(statistics.median(rates["transformers"]), 1),
+                "rbee_runs": [round(r, 1) for r in rates["rbee"]],
+                "transformers_runs": [round(r, 1) for r in rates["transformers"]],
             }
         )
-        del loaded, engine
 
     print(f"{'dtype':<10} {'rbee tok/s':>11} {'transformers tok/s':>19} {'ratio':>6}")
     for row in rows:

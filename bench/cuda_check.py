@@ -90,8 +90,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / args.shape
         write_model(args.shape, args.tokenizer, directory)
-        loaded = load_model(str(directory), Placement(torch.device("cuda", 0), torch.bfloat16))
-        engine = Engine(loaded)
+        engine = Engine(lambda: load_model(str(directory), Placement(torch.device("cuda", 0), torch.bfloat16)))
+        loaded = engine.loaded
         runs = []
         for prompt in ("The capital of France is", "Once upon a time, in a small village by the sea,"):
             request = Request(engine.tokenize(prompt), max_tokens=args.tokens, sampling=SamplingParams(temperature=0))

@@ -1,5 +1,6 @@
 """CUDA parity on a random-weight Llama (fixed seed, demo tokenizer). Skipped where there is no CUDA GPU (CI)."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,9 @@ def last_logits(loaded, prompt: str) -> torch.Tensor:
 
 
 def test_cuda_fp32_greedy_equals_cpu_fp32(random_llama: Path) -> None:
-    engines = [Engine(load_model(str(random_llama), Placement(d, torch.float32))) for d in (CPU, CUDA)]
+    engines = [
+        Engine(functools.partial(load_model, str(random_llama), Placement(d, torch.float32))) for d in (CPU, CUDA)
+    ]
     try:
         for prompt in PROMPTS:
             assert greedy(engines[1], prompt) == greedy(engines[0], prompt)
@@ -74,7 +77,7 @@ def test_cuda_bf16_logits_are_as_close_to_fp32_as_cpu_bf16(random_llama: Path) -
 def test_model_lands_on_the_gpu_and_memory_is_measured(random_llama: Path) -> None:
     loaded = load_model(str(random_llama), Placement(CUDA, torch.bfloat16))
     assert all(p.device.type == "cuda" for p in loaded.model.parameters())
-    engine = Engine(loaded)
+    engine = Engine(lambda: loaded)
     try:
         assert engine.memory_bytes() >= loaded.info.weight_bytes > 0
     finally:

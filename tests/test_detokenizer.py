@@ -77,7 +77,7 @@ def test_special_tokens_are_skipped(tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def engine(demo_gguf: Path):
-    engine = Engine(load_model(str(demo_gguf), resolve_placement("cpu", "float32")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")))
     yield engine
     engine.close()
 

@@ -20,7 +20,7 @@ STORY = "Once upon a time, in a small village by the sea,"
 
 @pytest.fixture(scope="module")
 def engine(demo_gguf: Path):
-    engine = Engine(load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
     yield engine
     engine.close()
 
@@ -39,6 +39,10 @@ def test_event_order_and_counts(engine: Engine) -> None:
     assert isinstance(end, End) and end.stop_reason is StopReason.MAX_TOKENS
     assert end.tokens_out == len(ids) == 20
     assert text == engine.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+    # Measured KV cache: K and V for every layer over every position fed to the model (the last token is not).
+    config, dtype = engine.loaded.model.config, engine.loaded.info.dtype
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    assert end.kv_cache_bytes == per_position * (end.prompt_tokens + end.tokens_out - 1)
 
 
 def test_eos_ends_generation_and_is_not_counted(engine: Engine) -> None:

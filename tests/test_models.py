@@ -16,6 +16,7 @@ last-position logits over a prompt plus its continuation, and 16 greedy tokens f
 import copy
 import functools
 import json
+import math
 import shutil
 import zlib
 from collections.abc import Callable
@@ -104,7 +105,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def engine_greedy(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int = NEW_TOKENS) -> tuple[list[int], End]:
     """Greedy token ids from our Engine, and its End event."""
-    engine = Engine(loaded)
+    engine = Engine(lambda: loaded)
     try:
         request = Request(tuple(prompt_ids), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
         ids: list[int] = []
@@ -599,18 +600,40 @@ def test_gguf_tensor_without_a_place_is_refused(
         load_model(str(path), FP32_CPU)
 
 
-def test_gguf_llama3_rope_is_refused(
-    tmp_path: Path, reference: Callable[[str], PreTrainedModel], tokenizer_metadata: dict[str, Any]
+def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """What llama.cpp's LlamaModel.generate_extra_tensors writes as rope_freqs for a llama3 `rope_scaling`."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen = old_context / rope["low_freq_factor"]
+    high_wavelen = old_context / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_context / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_gguf_llama3_rope_factors_match_transformers_llama3_rope(
+    tmp_path: Path,
+    reference: Callable[[str], PreTrainedModel],
+    tokenizer_metadata: dict[str, Any],
+    prompt_ids: list[int],
 ) -> None:
-    """llama.cpp stores llama3 RoPE scaling as a rope_freqs tensor, which the loader cannot map yet: it must say
-    so instead of running the model without the scaling."""
+    """llama.cpp stores llama3 RoPE scaling as a rope_freqs tensor (Llama 3.1 and later GGUFs)."""
+    model = reference("llama-rope-llama3")
     path = tmp_path / "llama3-rope.gguf"
-    # LlamaModel.generate_extra_tensors writes one factor per rotary frequency (head_dim / 2); their values do not
-    # matter here.
-    rope_freqs = {"rope_freqs.weight": np.ones(8, dtype=np.float32)}
-    write_gguf(path, reference("llama-rope-llama3"), "llama", F32, tokenizer_metadata, extra_tensors=rope_freqs)
-    with pytest.raises(ModelLoadError, match="per-dimension RoPE frequency factors"):
-        load_model(str(path), FP32_CPU)
+    factors = llama3_rope_factors(ROPE_LLAMA3, head_dim_of(model.config))
+    assert len(set(factors.tolist())) > 2  # scaled, unscaled and smoothed frequencies are all exercised
+    write_gguf(path, model, "llama", F32, tokenizer_metadata, extra_tensors={"rope_freqs.weight": factors})
+    assert_matches_reference(load_model(str(path), FP32_CPU), model, prompt_ids)
 
 
 # -- the CLI end to end ------------------------------------------------------------------------------------------------

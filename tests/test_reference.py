@@ -28,14 +28,14 @@ def reference(demo_hf_dir: Path):
 
 @pytest.fixture(scope="module")
 def gguf_engine(demo_gguf: Path):
-    engine = Engine(load_model(str(demo_gguf), FP32_CPU))
+    engine = Engine(lambda: load_model(str(demo_gguf), FP32_CPU))
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def hf_engine(demo_hf_dir: Path):
-    engine = Engine(load_model(str(demo_hf_dir), FP32_CPU))
+    engine = Engine(lambda: load_model(str(demo_hf_dir), FP32_CPU))
     yield engine
     engine.close()
 

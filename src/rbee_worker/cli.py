@@ -58,7 +58,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA, float16 on MPS, bfloat16 on CPU (measured fastest)",
+        help="auto: bfloat16 on CUDA, float16 on MPS and on CPU (measured fastest there)",
     )
     group.add_argument(
         "--deterministic",
@@ -112,20 +112,19 @@ def run_generate(args: argparse.Namespace) -> int:
     from rbee_worker.models.loader import load_model
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
-    loaded = load_model(args.model, placement)
-    info = loaded.info
-    log.info(
-        "loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights",
-        info.name,
-        info.format,
-        info.architecture,
-        info.device,
-        str(info.dtype).removeprefix("torch."),
-        info.load_seconds,
-        info.weight_bytes >> 20,
-    )
-    engine = Engine(loaded, deterministic=args.deterministic)
+    engine = Engine(lambda: load_model(args.model, placement), deterministic=args.deterministic)
     try:
+        info = engine.loaded.info
+        log.info(
+            "loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights",
+            info.name,
+            info.format,
+            info.architecture,
+            info.device,
+            str(info.dtype).removeprefix("torch."),
+            info.load_seconds,
+            info.weight_bytes >> 20,
+        )
         prompt_ids = (
             engine.tokenize_chat([{"role": "user", "content": args.prompt}])
             if args.chat
@@ -158,13 +157,13 @@ def run_generate(args: argparse.Namespace) -> int:
             elif isinstance(event, Error):
                 fail(event.message, EXIT_USAGE if event.code is ErrorCode.INVALID_REQUEST else EXIT_FAILURE)
             elif isinstance(event, End):
-                report(args.json, event, "".join(pieces), token_ids)
+                report(args.json, event, "".join(pieces), token_ids, info.weight_bytes)
     finally:
         engine.close()
     return 0
 
 
-def report(as_json: bool, end, text: str, token_ids: list[int]) -> None:
+def report(as_json: bool, end, text: str, token_ids: list[int], weight_bytes: int) -> None:
     if as_json:
         summary = {
             "text": text,
@@ -179,8 +178,9 @@ def report(as_json: bool, end, text: str, token_ids: list[int]) -> None:
     rate = (end.tokens_out - 1) / end.decode_time_s if end.tokens_out > 1 and end.decode_time_s > 0 else 0.0
     print(file=sys.stdout)
     print(
-        f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, "
-        f"{rate:.1f} tok/s, seed {end.seed}",
+        f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, {rate:.1f} tok/s, "
+        f"seed {end.seed}; memory: {weight_bytes / 2**20:.0f} MiB weights + {end.kv_cache_bytes / 2**20:.1f} MiB "
+        "KV cache",
         file=sys.stderr,
     )
 

@@ -10,9 +10,10 @@ from rbee_worker.errors import DeviceError, ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# On this project's 2-core CPU, bf16 decodes the demo model about 2x faster than fp32 (DESIGN.md: 42 vs 22 tok/s
-# with transformers' generate); fp16 matmuls on CPU are slower than both.
-CPU_AUTO_DTYPE = torch.bfloat16
+# Measured with bench/cpu_dtype.py on the project's 2-core x86 CPU (AVX-512 with BF16 instructions), demo model,
+# greedy decode: float16 37 tok/s, bfloat16 23, float32 13 (bench/results/cpu_dtype.json). float16's narrower range
+# can overflow in a few architectures; `--dtype bfloat16` is the fallback for those.
+CPU_AUTO_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)

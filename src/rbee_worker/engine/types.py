@@ -65,6 +65,7 @@ class End:
     stop_sequence: str | None
     time_to_first_token_s: float
     decode_time_s: float
+    kv_cache_bytes: int  # measured size of this request's KV cache when it ended
 
 
 @dataclass(frozen=True)

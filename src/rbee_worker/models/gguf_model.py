@@ -39,6 +39,9 @@ BIAS_FLAGS = {
 # Token ids besides EOS that end generation in llama.cpp (end of turn, end of message).
 END_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
+# Llama 3.1-style RoPE scaling: llama.cpp's converter stores one divisor per rotary frequency instead of parameters.
+ROPE_FACTORS = "rope_freqs.weight"
+
 # GGUF metadata key (after "<arch>.") -> transformers config field.
 CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -85,6 +88,8 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMod
             f"{path.name} lacks {len(missing)} tensor(s) that its {arch} architecture needs (e.g. {missing[0]}); "
             "the file is incomplete: download or convert the model again"
         )
+    if ROPE_FACTORS in file.tensors:
+        apply_rope_factors(model, file.load(ROPE_FACTORS))
     info = {
         "name": path.stem,
         "path": path,
@@ -118,11 +123,6 @@ def gguf_config(file: GGUFFile, arch: str) -> PretrainedConfig:
         rope.update(rope_type=scaling, factor=float(meta[f"{arch}.rope.scaling.factor"]))
         if original := meta.get(f"{arch}.rope.scaling.original_context_length"):
             rope["original_max_position_embeddings"] = int(original)
-    if "rope_freqs.weight" in file.tensors:
-        raise ModelLoadError(
-            f"{file.path.name} uses per-dimension RoPE frequency factors (Llama 3.1 style), which rbee-worker cannot "
-            "map from GGUF yet; use the model's Hugging Face directory"
-        )
     fields["head_dim"] = (
         fields.get("head_dim")
         or meta.get(f"{arch}.rope.dimension_count")
@@ -177,7 +177,7 @@ def gguf_state_dict(
         # else absent here (a tied lm_head, say); load_gguf refuses what is really missing
     # transformers would ignore a tensor the model has no place for, and the model would silently run without it.
     # Checked before dequantizing anything, so a big file fails at once.
-    if unused := sorted(set(file.tensors) - set(sources.values())):
+    if unused := sorted(set(file.tensors) - set(sources.values()) - {ROPE_FACTORS}):
         raise ModelLoadError(
             f"{file.path.name} has {len(unused)} tensor(s) that rbee-worker's {arch} model has no place for "
             f"(e.g. {unused[0]}), so it would not compute what llama.cpp computes; use the model's Hugging Face "
@@ -202,6 +202,23 @@ def gguf_state_dict(
             tensor = unpermute_rotary(tensor, heads)
         state[hf_name] = tensor
     return state
+
+
+def apply_rope_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:
+    """Divide the rotary inverse frequencies by the file's factors, as llama.cpp does.
+
+    The converter computes the factors from the llama3 `rope_scaling` so that the default frequencies divided by them
+    are exactly transformers' llama3 frequencies; the parameters themselves are not in the file.
+    """
+    rotary = [m for m in model.modules() if isinstance(getattr(m, "original_inv_freq", None), torch.Tensor)]
+    if not rotary or any(m.inv_freq.shape != factors.shape for m in rotary):
+        raise ModelLoadError(
+            f"{ROPE_FACTORS} has {factors.numel()} factors, which do not fit the model's rotary embedding; "
+            "the file is corrupt"
+        )
+    for module in rotary:
+        module.original_inv_freq = module.original_inv_freq / factors.to(module.original_inv_freq)
+        module.inv_freq = module.original_inv_freq.clone()
 
 
 def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
