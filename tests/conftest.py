@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,14 @@ def cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> 
     return subprocess.run(
         [sys.executable, "-m", "rbee_worker", *args], capture_output=True, text=True, timeout=timeout, env=full_env
     )
+
+
+def greedy(engine, prompt_ids: Sequence[int], max_tokens: int):
+    """Greedy token ids generated through `engine` for `prompt_ids`, and the request's End event."""
+    from rbee_worker.engine.sampling import SamplingParams
+    from rbee_worker.engine.types import End, Request, Token
+
+    request = Request(tuple(prompt_ids), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+    events = list(engine.stream(request))
+    assert isinstance(events[-1], End), events[-1]
+    return [i for e in events if isinstance(e, Token) for i in e.token_ids], events[-1]

@@ -28,7 +28,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import cli, make_tiny_model
+from conftest import cli, greedy, make_tiny_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -40,8 +40,7 @@ from transformers import (
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Request, StopReason, Token
+from rbee_worker.engine.types import End, StopReason
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.loaded import LoadedModel
@@ -107,18 +106,9 @@ def engine_greedy(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int = 
     """Greedy token ids from our Engine, and its End event."""
     engine = Engine(lambda: loaded)
     try:
-        request = Request(tuple(prompt_ids), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
-        ids: list[int] = []
-        end = None
-        for event in engine.stream(request):
-            if isinstance(event, Token):
-                ids.extend(event.token_ids)
-            elif isinstance(event, End):
-                end = event
+        return greedy(engine, prompt_ids, max_tokens)
     finally:
         engine.close()
-    assert end is not None, "the engine ended without an End event"
-    return ids, end
 
 
 def reference_greedy(model: PreTrainedModel, prompt_ids: list[int], eos: frozenset[int]) -> list[int]:

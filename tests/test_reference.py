@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import greedy
 from transformers import AutoModelForCausalLM
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Request, StopReason, Token
+from rbee_worker.engine.types import End, StopReason
 from rbee_worker.models.loader import load_model
 
 PROMPTS = [
@@ -41,16 +41,7 @@ def hf_engine(demo_hf_dir: Path):
 
 
 def greedy_ids(engine: Engine, prompt: str) -> tuple[list[int], End]:
-    request = Request(engine.tokenize(prompt), max_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0.0))
-    ids: list[int] = []
-    end = None
-    for event in engine.stream(request):
-        if isinstance(event, Token):
-            ids.extend(event.token_ids)
-        elif isinstance(event, End):
-            end = event
-    assert end is not None
-    return ids, end
+    return greedy(engine, engine.tokenize(prompt), NEW_TOKENS)
 
 
 def reference_ids(reference, engine: Engine, prompt: str) -> list[int]:
