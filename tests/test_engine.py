@@ -164,3 +164,16 @@ def test_same_request_id_twice_is_refused(engine: Engine) -> None:
     engine.cancel("job-1")
     while not isinstance(first.get(timeout=5), End | Error):
         pass
+
+
+def test_seed_out_of_range_is_an_invalid_request(engine: Engine) -> None:
+    events = list(engine.stream(Request(engine.tokenize(STORY), max_tokens=5, seed=2**64)))
+    assert len(events) == 1 and isinstance(events[0], Error) and events[0].code is ErrorCode.INVALID_REQUEST
+
+
+def test_closed_engine_refuses_new_requests(demo_gguf: Path) -> None:
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
+    prompt = engine.tokenize(STORY)
+    engine.close()
+    events = list(engine.stream(Request(prompt, max_tokens=5)))
+    assert len(events) == 1 and isinstance(events[0], Error) and "shut down" in events[0].message

@@ -164,7 +164,7 @@ async def heartbeat_loop(
     if interval_s <= 0:
         raise ValueError(f"interval_s must be positive, not {interval_s}")
     loop = asyncio.get_running_loop()
-    request_timeout = HEARTBEAT_TIMEOUT_S
+    request_timeout = min(interval_s, HEARTBEAT_TIMEOUT_S)
     failures = 0
     async with _client_scope(client) as http:
         # The grid starts once the client exists (creating one loads the TLS context, tens of ms).
@@ -173,7 +173,7 @@ async def heartbeat_loop(
             error = await _send_heartbeat(http, url, status, request_timeout)
             if error is None:
                 if failures:
-                    log.info("heartbeat to %s works again after %d failed beats", url, failures)
+                    log.debug("heartbeat to %s works again after %d failed beats", url, failures)
                 failures = 0
             else:
                 failures += 1

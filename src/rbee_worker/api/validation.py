@@ -104,7 +104,7 @@ def _integer(raw: object) -> int:
     # bool is not a Decimal here (all JSON numbers are parsed as Decimal), so `true` fails like a string does.
     if not isinstance(raw, Decimal) or raw != raw.to_integral_value():
         raise _WrongType("must be an integer")
-    return int(raw)
+    return int(max(min(raw, _INT_CLAMP), -_INT_CLAMP))
 
 
 def _number(raw: object) -> float:

@@ -112,15 +112,16 @@ class Engine:
             if self._closed.is_set():
                 raise RequestError("the engine is shut down")
             self.validate(request)
-        except RequestError as exc:
+            seed = random_seed() if request.seed is None else request.seed
+            sampler = Sampler(request.sampling, seed, request.prompt_ids)  # rejects a seed outside 0..2**64-1
+        except (RequestError, ValueError) as exc:
             sink(Error(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
             return
-        seed = random_seed() if request.seed is None else request.seed
         sequence = _Sequence(
             request=request,
             sink=sink,
             seed=seed,
-            sampler=Sampler(request.sampling, seed, request.prompt_ids),
+            sampler=sampler,
             detokenizer=Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop),
             submitted_at=time.perf_counter(),
         )
@@ -149,6 +150,14 @@ class Engine:
         self._closed.set()
         self._inbox.put(None)
         self._thread.join()
+        # A request that raced with close never reached the loop: end it rather than leave its caller waiting.
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Sequence):
+                item.sink(Error(item.request.request_id, ErrorCode.CANCELLED, "the engine shut down"))
 
     @property
     def active_requests(self) -> int:
