@@ -1,5 +1,6 @@
 """The engine on the real demo model: stop reasons, stop strings, seeds, cancellation, concurrency, streaming text."""
 
+import asyncio
 import queue
 import threading
 import time
@@ -177,3 +178,29 @@ def test_closed_engine_refuses_new_requests(demo_gguf: Path) -> None:
     engine.close()
     events = list(engine.stream(Request(prompt, max_tokens=5)))
     assert len(events) == 1 and isinstance(events[0], Error) and "shut down" in events[0].message
+
+
+def test_async_stream_matches_the_blocking_one_and_leaving_cancels(engine: Engine) -> None:
+    request = Request(engine.tokenize(STORY), max_tokens=12, sampling=GREEDY)
+    _, expected_text, expected_ids, _ = run(engine, request)
+
+    async def consume() -> tuple[str, list[int], Event]:
+        events = [event async for event in engine.astream(request)]
+        tokens = [e for e in events if isinstance(e, Token)]
+        return "".join(t.text for t in tokens), [i for t in tokens for i in t.token_ids], events[-1]
+
+    text, ids, end = asyncio.run(consume())
+    assert (text, ids) == (expected_text, expected_ids) and isinstance(end, End)
+
+    async def leave_after_first_token() -> None:
+        stream = engine.astream(Request(engine.tokenize(STORY), max_tokens=500))
+        async for event in stream:
+            if isinstance(event, Token):
+                break
+        await stream.aclose()
+
+    asyncio.run(leave_after_first_token())
+    deadline = time.perf_counter() + 2
+    while engine.active_requests and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert engine.active_requests == 0

@@ -8,12 +8,13 @@ construction today; batching several sequences into one forward (the performance
 path for that flag.
 """
 
+import asyncio
 import inspect
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,15 @@ class _Sequence:
     pieces: int = 0
     first_token_at: float | None = None
     cancelled: bool = False
+
+    def send(self, event: Event) -> None:
+        """Deliver an event; a consumer that is gone (its event loop closed, say) cancels the request instead of
+        taking the engine thread down."""
+        try:
+            self.sink(event)
+        except Exception:
+            log.warning("could not deliver an event of request %s; cancelling it", self.request.request_id)
+            self.cancelled = True
 
 
 class Engine:
@@ -141,6 +151,24 @@ class Engine:
             if not finished:
                 self.cancel(request.request_id)
 
+    async def astream(self, request: Request) -> AsyncIterator[Event]:
+        """The request's events on the caller's event loop; leaving early (or cancelling the task) cancels it.
+
+        Only queues cross threads here: the event loop never runs model code (see the class docstring).
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = isinstance(event, End | Error)
+                yield event
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
     def cancel(self, request_id: str) -> None:
         """Stop a request between two steps; it ends with stop reason CANCELLED. Unknown ids are ignored."""
         self._inbox.put(request_id)
@@ -157,7 +185,7 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, _Sequence):
-                item.sink(Error(item.request.request_id, ErrorCode.CANCELLED, "the engine shut down"))
+                item.send(Error(item.request.request_id, ErrorCode.CANCELLED, "the engine shut down"))
 
     @property
     def active_requests(self) -> int:
@@ -207,10 +235,10 @@ class Engine:
                 if sequence := self._active.get(item):
                     sequence.cancelled = True
             elif item.request.request_id in self._active:
-                item.sink(Error(item.request.request_id, ErrorCode.INVALID_REQUEST, "request id is already running"))
+                item.send(Error(item.request.request_id, ErrorCode.INVALID_REQUEST, "request id is already running"))
             else:
                 self._active[item.request.request_id] = item
-                item.sink(Started(item.request.request_id, len(item.request.prompt_ids), item.seed))
+                item.send(Started(item.request.request_id, len(item.request.prompt_ids), item.seed))
 
     def _advance(self, sequence: _Sequence) -> None:
         if sequence.cancelled:
@@ -258,7 +286,7 @@ class Engine:
             self._finish(sequence, StopReason.MAX_TOKENS)
 
     def _emit_piece(self, sequence: _Sequence, text: str, token_ids: tuple[int, ...]) -> None:
-        sequence.sink(Token(sequence.request.request_id, text, token_ids, sequence.pieces))
+        sequence.send(Token(sequence.request.request_id, text, token_ids, sequence.pieces))
         sequence.pieces += 1
 
     def _finish(self, sequence: _Sequence, reason: StopReason) -> None:
@@ -267,7 +295,7 @@ class Engine:
             self._emit_piece(sequence, rest, ())
         now = time.perf_counter()
         first = sequence.first_token_at or now
-        sequence.sink(
+        sequence.send(
             End(
                 request_id=sequence.request.request_id,
                 stop_reason=reason,
@@ -283,7 +311,7 @@ class Engine:
 
     def _fail(self, sequence: _Sequence, code: ErrorCode, message: str) -> None:
         del self._active[sequence.request.request_id]
-        sequence.sink(Error(sequence.request.request_id, code, message))
+        sequence.send(Error(sequence.request.request_id, code, message))
 
 
 def _cache_bytes(cache: DynamicCache | None) -> int:
