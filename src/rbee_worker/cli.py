@@ -1,4 +1,4 @@
-"""Command line: `rbee-worker generate` (flag parsing and output only; the work is in models/ and engine/)."""
+"""Command line: `rbee-worker generate` and `serve` (flag parsing and output only; the work is elsewhere)."""
 
 import argparse
 import json
@@ -7,11 +7,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from rbee_worker.errors import ModelLoadError
+from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
 
 log = logging.getLogger("rbee_worker")
 
-EXIT_FAILURE, EXIT_USAGE = 1, 2
+EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
 
 class Parser(argparse.ArgumentParser):
@@ -98,7 +98,58 @@ def build_parser() -> Parser:
         "--json", action="store_true", help="print only one JSON summary line at the end instead of streaming text"
     )
     generate.set_defaults(run=run_generate)
+
+    serve = commands.add_parser("serve", help="serve the model over HTTP and register with the pool manager")
+    add_model_flags(serve)
+    http = serve.add_argument_group("HTTP and pool manager")
+    http.add_argument("--worker-id", help="default: <host name>-<port>")
+    http.add_argument("--model-ref", help="the model name reported to clients (default: the model's own name)")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=bounded(int, 0, 65535), default=8080, help="0 picks a free port")
+    http.add_argument("--callback-url", help="POST the ready callback here once the model is loaded")
+    http.add_argument(
+        "--callback-timeout",
+        type=bounded(float, 0.0),
+        default=60.0,
+        metavar="SECONDS",
+        help="retry the ready callback this long (default 60), then exit 3",
+    )
+    http.add_argument("--heartbeat-url", help="POST a heartbeat here every --heartbeat-interval seconds")
+    http.add_argument("--heartbeat-interval", type=bounded(float, 0.1), default=30.0, metavar="SECONDS")
+    http.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow a non-loopback --host (API token auth is not implemented yet)",
+    )
+    serve.set_defaults(run=run_serve)
     return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rbee_worker.devices import resolve_placement
+    from rbee_worker.server import ServeSettings, is_loopback, serve
+
+    if not is_loopback(args.host) and not args.allow_unauthenticated:
+        fail(
+            f"--host {args.host} exposes the worker beyond this machine; pass --allow-unauthenticated to do so "
+            "(API token auth is not implemented yet)",
+            EXIT_USAGE,
+        )
+    settings = ServeSettings(
+        model=args.model,
+        model_ref=args.model_ref,
+        worker_id=args.worker_id,
+        host=args.host,
+        port=args.port,
+        placement=resolve_placement(args.device, args.dtype, args.backend, args.cuda_device),
+        deterministic=args.deterministic,
+        callback_url=args.callback_url,
+        callback_timeout_s=args.callback_timeout,
+        heartbeat_url=args.heartbeat_url,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+    serve(settings)
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -198,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.log_level == "debug":
             log.exception("model load failed")
         fail(str(exc), EXIT_USAGE)
+    except (BindError, RegistrationError) as exc:  # the port, or the pool manager never accepted the worker
+        fail(str(exc), EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # one line for the user; the traceback only when asked for

@@ -7,3 +7,11 @@ class ModelLoadError(Exception):
 
 class DeviceError(ModelLoadError):
     """The requested device or dtype cannot be used here."""
+
+
+class BindError(Exception):
+    """The HTTP port cannot be bound; the CLI exits 3."""
+
+
+class RegistrationError(Exception):
+    """The pool manager did not accept the ready callback. One line: what happened and what to do; the CLI exits 3."""

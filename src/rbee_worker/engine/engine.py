@@ -80,6 +80,11 @@ class Engine:
         self._thread.start()
 
     @property
+    def is_loaded(self) -> bool:
+        """True once the model is loaded and the engine serves requests (never blocks)."""
+        return self._loaded is not None and not self._closed.is_set()
+
+    @property
     def loaded(self) -> LoadedModel:
         """The model, once loaded (blocks until then); raises what loading raised."""
         self._ready.wait()
