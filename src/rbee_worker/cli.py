@@ -126,8 +126,7 @@ def build_parser() -> Parser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from rbee_worker.devices import resolve_placement
-    from rbee_worker.server import ServeSettings, is_loopback, serve
+    from rbee_worker.listener import bind, is_loopback
 
     if not is_loopback(args.host) and not args.allow_unauthenticated:
         fail(
@@ -135,6 +134,10 @@ def run_serve(args: argparse.Namespace) -> int:
             "(API token auth is not implemented yet)",
             EXIT_USAGE,
         )
+    sock = bind(args.host, args.port)  # before the heavy imports below: a taken port fails in well under a second
+    from rbee_worker.devices import resolve_placement
+    from rbee_worker.server import ServeSettings, serve
+
     settings = ServeSettings(
         model=args.model,
         model_ref=args.model_ref,
@@ -148,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         heartbeat_url=args.heartbeat_url,
         heartbeat_interval_s=args.heartbeat_interval,
     )
-    serve(settings)
+    serve(settings, sock)
     return 0
 
 

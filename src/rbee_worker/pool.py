@@ -17,11 +17,20 @@ from datetime import UTC, datetime
 
 import httpx
 
+# One class for the whole worker: the CLI maps errors.RegistrationError to exit code 3.
+from rbee_worker.errors import RegistrationError
+
+__all__ = ["HeartbeatStatus", "ReadyPayload", "RegistrationError", "heartbeat_loop", "send_ready_callback"]
+
 log = logging.getLogger(__name__)
 
 # One attempt of the ready callback may take this long (clipped to the overall deadline). A pool manager that needs
 # longer to answer a registration is stuck; trying again is more useful than waiting.
 CALLBACK_ATTEMPT_TIMEOUT_S = 10.0
+# When the backoff would step past the deadline, one last attempt starts this long before it instead (a tenth of the
+# whole timeout if that is shorter): a pool manager that comes up in the final seconds is still caught, and no attempt
+# starts with too little time left to finish (its failure would read "timed out" and hide the real cause).
+LAST_ATTEMPT_WINDOW_S = 1.0
 # A heartbeat request may take at most this long, and never longer than the interval: a beat that arrives later than
 # the next one would have is worthless.
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -33,10 +42,6 @@ JITTER = 0.1
 BODY_SNIPPET_CHARS = 200
 
 HEALTH_STATUSES = ("healthy", "degraded")
-
-
-class RegistrationError(Exception):
-    """The pool manager did not accept the ready callback. One line: what happened and what to do; the CLI exits 3."""
 
 
 @dataclass(frozen=True)
@@ -88,16 +93,25 @@ async def send_ready_callback(
 
     Connection errors, timeouts and 5xx are retried with exponential backoff (first_delay_s, doubling, at most
     max_delay_s, minus a little jitter; a 503's Retry-After lengthens a step to what it asks, up to max_delay_s) until
-    timeout_s has passed: no attempt starts after that deadline, and an attempt's own timeout is clipped to it.
+    timeout_s has passed: no attempt starts after that deadline, and an attempt's own timeout is clipped to it. Where
+    the next backoff step would overshoot, a final attempt starts LAST_ATTEMPT_WINDOW_S (at most timeout_s / 10) before
+    the deadline; if it fails, the error is raised then, up to that window before timeout_s.
     A 4xx (or any other non-2xx, non-5xx answer) is final. Raises RegistrationError when the callback was not accepted.
     `client`, when given, is used and left open (its base settings apply except the timeout, which is set here).
     """
+    if min(timeout_s, first_delay_s, max_delay_s) <= 0:
+        raise ValueError(
+            f"timeout_s, first_delay_s and max_delay_s must be positive: {timeout_s, first_delay_s, max_delay_s}"
+        )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    latest_start = deadline - min(LAST_ATTEMPT_WINDOW_S, timeout_s / 10)
     body = payload.to_json()
     attempt = 0
     last_error = "no attempt made"
     async with _client_scope(client) as http:
+        # Attempts start no later than latest_start (see below); this check only matters if the event loop was
+        # blocked through a whole backoff sleep.
         while (remaining := deadline - loop.time()) > 0:
             attempt += 1
             attempt_timeout = min(CALLBACK_ATTEMPT_TIMEOUT_S, remaining)
@@ -121,9 +135,15 @@ async def send_ready_callback(
                     return
                 snippet = _snippet(response.text)
                 if not 500 <= status < 600:
+                    # No redirects are followed (a POST that turns into a GET would not register anything).
+                    wrong_place = status in (404, 405) or 300 <= status < 400
+                    hint = (
+                        "check --callback-url: the pool manager has no ready endpoint there"
+                        if wrong_place
+                        else "check the worker's --worker-id/--model-ref and the pool manager's log"
+                    )
                     raise RegistrationError(
-                        f"pool manager at {url} refused the worker: HTTP {status} {snippet}".rstrip()
-                        + "; check the worker's --worker-id/--model-ref and the pool manager's log"
+                        f"pool manager at {url} refused the worker: HTTP {status} {snippet}".rstrip() + f"; {hint}"
                     )
                 last_error = f"HTTP {status} {snippet}".rstrip()
                 if status == 503:
@@ -134,17 +154,31 @@ async def send_ready_callback(
                 # Not before the server asks us to (but a `Retry-After: 0` does not turn the backoff into a busy
                 # loop), and never longer than our own bound.
                 delay = min(max(delay, retry_after), max_delay_s)
-            # Sleeping past the deadline would only delay the error; the loop condition then ends the retries.
-            delay = max(0.0, min(delay, deadline - loop.time()))
+            now = loop.time()
+            next_start = min(now + delay, latest_start)
+            if next_start <= now:  # that was the last attempt
+                log.warning(
+                    "ready callback attempt %d to %s failed: %s; no time left for another within %g s",
+                    attempt,
+                    url,
+                    last_error,
+                    timeout_s,
+                )
+                break
             log.warning(
-                "ready callback attempt %d to %s failed: %s; retrying in %.1f s", attempt, url, last_error, delay
+                "ready callback attempt %d to %s failed: %s; retrying in %.2f s",
+                attempt,
+                url,
+                last_error,
+                next_start - now,
             )
-            await asyncio.sleep(delay)
+            await asyncio.sleep(next_start - now)
 
+    attempts = f"{attempt} attempt{'s' if attempt != 1 else ''}"
     raise RegistrationError(
         f"pool manager at {url} did not accept the ready callback within {timeout_s:g} s "
-        f"({attempt} attempts, last error: {last_error}); check that the pool manager is running and --callback-url "
-        "is right, or raise --callback-timeout"
+        f"({attempts}, last error: {last_error}); check that the pool manager is running and --callback-url is right, "
+        "or raise --callback-timeout"
     )
 
 
@@ -173,7 +207,7 @@ async def heartbeat_loop(
             error = await _send_heartbeat(http, url, status, request_timeout)
             if error is None:
                 if failures:
-                    log.debug("heartbeat to %s works again after %d failed beats", url, failures)
+                    log.info("heartbeat to %s works again after %d failed beats", url, failures)
                 failures = 0
             else:
                 failures += 1

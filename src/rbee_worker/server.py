@@ -3,7 +3,6 @@ report ready to the pool manager and keep the heartbeat going."""
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import signal
 import socket
@@ -13,11 +12,11 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from rbee_worker import __version__, pool
+from rbee_worker import __version__
 from rbee_worker.api.native import WorkerState, native_router
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.errors import BindError, RegistrationError
+from rbee_worker.errors import RegistrationError
 from rbee_worker.models.loader import load_model
 from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_ready_callback
 
@@ -39,35 +38,11 @@ class ServeSettings:
     heartbeat_interval_s: float
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """Bind before loading anything, so a taken port fails at once rather than after a long model load."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise BindError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or free it") from exc
-    sock.listen(2048)
-    return sock
-
-
-def serve(settings: ServeSettings) -> None:
+def serve(settings: ServeSettings, sock: socket.socket) -> None:
     """Run the worker until it is stopped.
 
     Raises BindError or RegistrationError (exit 3) or ModelLoadError (exit 2) once the server has shut down.
     """
-    sock = bind(settings.host, settings.port)
     port = sock.getsockname()[1]
     worker_id = settings.worker_id or f"{socket.gethostname()}-{port}"
     engine = Engine(lambda: load_model(settings.model, settings.placement), deterministic=settings.deterministic)
@@ -102,10 +77,8 @@ def serve(settings: ServeSettings) -> None:
             )
             try:
                 await send_ready_callback(settings.callback_url, payload, timeout_s=settings.callback_timeout_s)
-            # pool.py raises its own RegistrationError class (not errors.RegistrationError, which the CLI maps to
-            # exit 3): catch both, or a refused worker keeps serving unregistered and never exits.
-            except (RegistrationError, pool.RegistrationError) as exc:
-                failures.append(exc if isinstance(exc, RegistrationError) else RegistrationError(str(exc)))
+            except RegistrationError as exc:  # the CLI turns it into exit 3 once the server is down
+                failures.append(exc)
                 server.should_exit = True
                 return
         if settings.heartbeat_url:

@@ -237,8 +237,9 @@ class Engine:
             if item is None:
                 return False
             if isinstance(item, str):
+                # Ended here rather than at its next step: its KV cache is freed and its id can be reused at once.
                 if sequence := self._active.get(item):
-                    sequence.cancelled = True
+                    self._finish(sequence, StopReason.CANCELLED)
             elif item.request.request_id in self._active:
                 item.send(Error(item.request.request_id, ErrorCode.INVALID_REQUEST, "request id is already running"))
             else:
