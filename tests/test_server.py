@@ -94,7 +94,7 @@ class Worker:
         return self.process.returncode
 
 
-def launch(log_dir: Path, *flags: str, port: int | None = None) -> Worker:
+def launch(log_dir: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None) -> Worker:
     port = port or free_port()
     stderr_path = log_dir / f"worker-{port}-{uuid.uuid4().hex[:6]}.stderr"
     with stderr_path.open("wb") as stderr:
@@ -102,7 +102,7 @@ def launch(log_dir: Path, *flags: str, port: int | None = None) -> Worker:
             [sys.executable, "-m", "rbee_worker", "serve", "--model", "demo", "--port", str(port), *flags],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     return Worker(process, port, stderr_path)
 
@@ -675,3 +675,45 @@ def test_ready_callback_refused_exits_3(tmp_path: Path, manager_factory: Manager
     assert "400" in line, line
     assert "Traceback" not in worker.stderr()
     assert len(manager.recorded("/ready")) == 1  # a 4xx is final: no retry
+
+
+# -- auth and tracing ------------------------------------------------------------------------------------------------
+
+
+def test_bearer_auth_and_correlation_ids(tmp_path: Path) -> None:
+    token = "s3cret-token"
+    worker = launch(tmp_path, env={"LLORCH_API_TOKEN": token})
+    try:
+        worker.wait_healthy()  # /health needs no token
+        with httpx.Client(base_url=worker.url, timeout=60) as http:
+            missing = http.get("/v1/ready")
+            wrong = http.get("/v1/ready", headers={"Authorization": "Bearer nope"})
+            basic = http.post("/cancel", json={"job_id": "x"}, headers={"Authorization": f"Basic {token}"})
+            right = http.get("/v1/ready", headers={"Authorization": f"Bearer {token}"})
+            assert (missing.status_code, missing.json()["error"]["code"]) == (401, "MISSING_API_KEY")
+            assert (wrong.status_code, wrong.json()["error"]["code"]) == (401, "INVALID_API_KEY")
+            assert (basic.status_code, basic.json()["error"]["code"]) == (401, "MISSING_API_KEY")
+            assert right.status_code == 200 and right.json()["ready"] is True
+            streamed = http.post(
+                "/execute",
+                json={"job_id": "auth-1", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            assert streamed.status_code == 200 and '"type": "end"' in streamed.text
+
+            given = str(uuid.uuid4()).upper()
+            echoed = http.get("/health", headers={"X-Correlation-ID": given})
+            assert echoed.headers["X-Correlation-ID"] == given
+            for bad in ("not-a-uuid", ""):
+                fresh = http.get("/health", headers={"X-Correlation-ID": bad}).headers["X-Correlation-ID"]
+                assert fresh != bad and uuid.UUID(fresh)
+            assert uuid.UUID(missing.headers["X-Correlation-ID"])  # also on refusals
+    finally:
+        assert worker.stop() == 0
+
+
+def test_non_loopback_host_needs_a_token() -> None:
+    result = cli("serve", "--host", "0.0.0.0", "--port", str(free_port()), env={"LLORCH_API_TOKEN": ""})
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == result.stderr.strip().splitlines()
+    assert "LLORCH_API_TOKEN" in result.stderr

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -119,7 +120,7 @@ def build_parser() -> Parser:
     http.add_argument(
         "--allow-unauthenticated",
         action="store_true",
-        help="allow a non-loopback --host (API token auth is not implemented yet)",
+        help="allow a non-loopback --host without LLORCH_API_TOKEN",
     )
     serve.set_defaults(run=run_serve)
     return parser
@@ -128,10 +129,11 @@ def build_parser() -> Parser:
 def run_serve(args: argparse.Namespace) -> int:
     from rbee_worker.listener import bind, is_loopback
 
-    if not is_loopback(args.host) and not args.allow_unauthenticated:
+    token = os.environ.get("LLORCH_API_TOKEN") or None
+    if token is None and not is_loopback(args.host) and not args.allow_unauthenticated:
         fail(
-            f"--host {args.host} exposes the worker beyond this machine; pass --allow-unauthenticated to do so "
-            "(API token auth is not implemented yet)",
+            f"--host {args.host} exposes the worker beyond this machine: set LLORCH_API_TOKEN (or pass "
+            "--allow-unauthenticated)",
             EXIT_USAGE,
         )
     sock = bind(args.host, args.port)  # before the heavy imports below: a taken port fails in well under a second
@@ -150,6 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
         callback_timeout_s=args.callback_timeout,
         heartbeat_url=args.heartbeat_url,
         heartbeat_interval_s=args.heartbeat_interval,
+        api_token=token,
     )
     serve(settings, sock)
     return 0

@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from rbee_worker import __version__
+from rbee_worker.api.middleware import AuthAndCorrelation
 from rbee_worker.api.native import WorkerState, native_router
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
@@ -36,6 +37,7 @@ class ServeSettings:
     callback_timeout_s: float
     heartbeat_url: str | None
     heartbeat_interval_s: float
+    api_token: str | None  # LLORCH_API_TOKEN: when set, every route but GET /health needs it
 
 
 def serve(settings: ServeSettings, sock: socket.socket) -> None:
@@ -49,6 +51,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
     state = WorkerState(engine=engine, worker_id=worker_id, model_ref=settings.model_ref or settings.model)
     app = FastAPI(title="rbee-worker", version=__version__)
     app.include_router(native_router(state))
+    app.add_middleware(AuthAndCorrelation, token=settings.api_token)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
     failures: list[Exception] = []  # what stopped the worker, re-raised once the server is down
 
