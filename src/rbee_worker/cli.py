@@ -145,7 +145,6 @@ def run_serve(args: argparse.Namespace) -> int:
         model_ref=args.model_ref,
         worker_id=args.worker_id,
         host=args.host,
-        port=args.port,
         placement=resolve_placement(args.device, args.dtype, args.backend, args.cuda_device),
         deterministic=args.deterministic,
         callback_url=args.callback_url,

@@ -29,8 +29,7 @@ class ServeSettings:
     model: str
     model_ref: str | None
     worker_id: str | None
-    host: str
-    port: int
+    host: str  # for the URL reported to the pool manager; the socket is bound by the caller
     placement: Placement
     deterministic: bool
     callback_url: str | None

@@ -37,7 +37,7 @@ class WorkerState:
     engine: Engine
     worker_id: str
     model_ref: str
-    running: set[str] = field(default_factory=set)  # job ids with a live request in the engine
+    running: set[str] = field(default_factory=set)  # job ids admitted and not yet finished or read to the end
     jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs not yet fully read
 
 
@@ -135,7 +135,7 @@ async def admit(state: WorkerState, body: bytes, *, require_job_id: bool) -> Job
     if not isinstance(parsed, JobRequest):
         return JSONResponse(errors_body(parsed), status_code=400)
     job_id = parsed.job_id or uuid.uuid4().hex
-    if job_id in state.running or job_id in state.jobs:
+    if job_id in state.running:  # job API jobs are in it too until fully read
         return field_error(409, FieldError("job_id", "unique", f"job {job_id} is already running", job_id))
     request = EngineRequest(
         prompt_ids=prompt_ids,
