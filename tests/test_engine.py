@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
 from rbee_worker.models.loader import load_model
@@ -115,7 +115,7 @@ def test_cancel_mid_stream_then_serve_the_next(engine: Engine) -> None:
     assert isinstance(event, End) and event.stop_reason is StopReason.CANCELLED
     assert time.perf_counter() - cancelled_at < 1.0
     _, _, _, end = run(engine, Request(engine.tokenize(STORY), max_tokens=5, sampling=GREEDY))
-    assert end.stop_reason is StopReason.MAX_TOKENS and engine.active_requests == 0
+    assert end.stop_reason is StopReason.MAX_TOKENS and engine.in_flight == 0
 
 
 def test_leaving_the_stream_cancels(engine: Engine) -> None:
@@ -125,9 +125,9 @@ def test_leaving_the_stream_cancels(engine: Engine) -> None:
             break
     stream.close()
     deadline = time.perf_counter() + 2
-    while engine.active_requests and time.perf_counter() < deadline:
+    while engine.in_flight and time.perf_counter() < deadline:
         time.sleep(0.01)
-    assert engine.active_requests == 0
+    assert engine.in_flight == 0
 
 
 def test_concurrent_requests_interleave_and_match_their_solo_runs(engine: Engine) -> None:
@@ -160,11 +160,56 @@ def test_same_request_id_twice_is_refused(engine: Engine) -> None:
     request = Request(engine.tokenize(STORY), max_tokens=200, request_id="job-1")
     engine.submit(request, first.put)
     assert isinstance(first.get(timeout=30), Started)
-    events = list(engine.stream(Request(engine.tokenize(STORY), max_tokens=5, request_id="job-1")))
-    assert len(events) == 1 and isinstance(events[0], Error) and "already running" in events[0].message
+    with pytest.raises(DuplicateRequest, match="already running"):
+        engine.submit(Request(engine.tokenize(STORY), max_tokens=5, request_id="job-1"), first.put)
     engine.cancel("job-1")
     while not isinstance(first.get(timeout=5), End | Error):
         pass
+
+
+def test_slots_then_queue_then_busy(demo_gguf: Path) -> None:
+    """max_batch requests run, max_queue wait (Started at once, first token only after a slot frees), the next is
+    refused with EngineBusy; all admitted ones finish."""
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), max_batch=2, max_queue=1)
+    try:
+        prompt = engine.tokenize(STORY)
+        streams = [queue.SimpleQueue() for _ in range(3)]
+        for i, events in enumerate(streams):
+            engine.submit(
+                Request(prompt, max_tokens=40 if i < 2 else 5, sampling=GREEDY, request_id=f"r{i}"), events.put
+            )
+        with pytest.raises(EngineBusy) as busy:
+            engine.submit(Request(prompt, max_tokens=5), queue.SimpleQueue().put)
+        assert (busy.value.max_batch, busy.value.max_queue, busy.value.in_flight) == (2, 1, 3)
+        assert all(isinstance(events.get(timeout=30), Started) for events in streams)
+        assert engine.running_requests == 2 and engine.in_flight == 3
+        arrival: list[tuple[float, int, Event]] = []
+        for i, events in enumerate(streams):
+            while True:
+                event = events.get(timeout=60)
+                arrival.append((time.perf_counter(), i, event))
+                if isinstance(event, End | Error):
+                    break
+        ends = {i: e for _, i, e in arrival if isinstance(e, End)}
+        assert sorted(ends) == [0, 1, 2] and engine.in_flight == 0
+        # r2 waited: every token of r2 came after one of r0/r1 had ended.
+        first_end = min(t for t, i, e in arrival if i < 2 and isinstance(e, End))
+        assert all(t >= first_end for t, i, e in arrival if i == 2 and isinstance(e, Token))
+    finally:
+        engine.close()
+
+
+def test_progress_clock_counts_a_long_step_and_stops_when_idle(engine: Engine) -> None:
+    """The stall clock (behind /health's "unhealthy") grows during one long forward and is 0 without work."""
+    assert engine.seconds_without_progress() == 0.0
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    engine.submit(Request(engine.tokenize(STORY * 30), max_tokens=3), events.put)  # a prefill of ~400 tokens
+    longest = 0.0
+    while events.empty() or not isinstance(events.get(), End | Error):
+        longest = max(longest, engine.seconds_without_progress())
+        time.sleep(0.005)
+    assert longest > 0.1
+    assert engine.seconds_without_progress() == 0.0
 
 
 def test_seed_out_of_range_is_an_invalid_request(engine: Engine) -> None:
@@ -201,6 +246,6 @@ def test_async_stream_matches_the_blocking_one_and_leaving_cancels(engine: Engin
 
     asyncio.run(leave_after_first_token())
     deadline = time.perf_counter() + 2
-    while engine.active_requests and time.perf_counter() < deadline:
+    while engine.in_flight and time.perf_counter() < deadline:
         time.sleep(0.01)
-    assert engine.active_requests == 0
+    assert engine.in_flight == 0

@@ -4,11 +4,13 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
+from rbee_worker.logs import LOG_FORMATS, configure_logging
 
 log = logging.getLogger("rbee_worker")
 
@@ -66,7 +68,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant mode: a request's tokens never depend on other running requests",
     )
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
+    group = parser.add_argument_group("logs")
+    group.add_argument("--log-level", default=default_level, choices=["debug", "info", "warning", "error"])
+    group.add_argument(
+        "--log-format", choices=LOG_FORMATS, default=None, help="default: json, or pretty when stderr is a terminal"
+    )
 
 
 def build_parser() -> Parser:
@@ -75,6 +84,7 @@ def build_parser() -> Parser:
 
     generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout")
     add_model_flags(generate)
+    add_log_flags(generate, "warning")
     sampling = generate.add_argument_group("generation")
     sampling.add_argument("--prompt", required=True, help="the prompt (raw text, or the user message with --chat)")
     sampling.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -102,6 +112,46 @@ def build_parser() -> Parser:
 
     serve = commands.add_parser("serve", help="serve the model over HTTP and register with the pool manager")
     add_model_flags(serve)
+    add_log_flags(serve, "info")
+    jobs = serve.add_argument_group("jobs")
+    jobs.add_argument(
+        "--max-batch", type=bounded(int, 1), default=16, metavar="N", help="jobs that run at once (default 16)"
+    )
+    jobs.add_argument(
+        "--max-queue",
+        type=bounded(int, 0),
+        default=64,
+        metavar="N",
+        help="jobs that may wait for a running slot (default 64); beyond that, 503 ALL_SLOTS_BUSY",
+    )
+    jobs.add_argument(
+        "--max-context",
+        type=bounded(int, 1),
+        default=None,
+        metavar="TOKENS",
+        help="cap the context (prompt + generated tokens) below the model's own",
+    )
+    jobs.add_argument(
+        "--drain-timeout",
+        type=bounded(float, 0.0),
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT/POST /shutdown, let running jobs finish this long, then cancel them (default 30)",
+    )
+    jobs.add_argument(
+        "--stall-timeout",
+        type=bounded(float, 0.0, low_open=True),
+        default=120.0,
+        metavar="SECONDS",
+        help="/health says unhealthy when the engine has work and finishes no step this long (default 120)",
+    )
+    jobs.add_argument(
+        "--unclaimed-job-timeout",
+        type=bounded(float, 0.0, low_open=True),
+        default=60.0,
+        metavar="SECONDS",
+        help="cancel a /v1/inference job whose stream is not opened this long (default 60)",
+    )
     http = serve.add_argument_group("HTTP and pool manager")
     http.add_argument("--worker-id", help="default: <host name>-<port>")
     http.add_argument("--model-ref", help="the model name reported to clients (default: the model's own name)")
@@ -137,6 +187,9 @@ def run_serve(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     sock = bind(args.host, args.port)  # before the heavy imports below: a taken port fails in well under a second
+    # Until serve() installs its drain, a stop signal (nothing runs yet) simply ends the process with success.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     from rbee_worker.devices import resolve_placement
     from rbee_worker.server import ServeSettings, serve
 
@@ -147,6 +200,12 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         placement=resolve_placement(args.device, args.dtype, args.backend, args.cuda_device),
         deterministic=args.deterministic,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_context=args.max_context,
+        drain_timeout_s=args.drain_timeout,
+        stall_timeout_s=args.stall_timeout,
+        unclaimed_job_timeout_s=args.unclaimed_job_timeout,
         callback_url=args.callback_url,
         callback_timeout_s=args.callback_timeout,
         heartbeat_url=args.heartbeat_url,
@@ -241,13 +300,9 @@ def report(as_json: bool, end, text: str, token_ids: list[int], weight_bytes: in
     )
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.run(args)
     except ModelLoadError as exc:

@@ -2,6 +2,7 @@
 
 import ipaddress
 import socket
+from urllib.parse import urlsplit
 
 from rbee_worker.errors import BindError
 
@@ -27,3 +28,30 @@ def bind(host: str, port: int) -> socket.socket:
         raise BindError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or free it") from exc
     sock.listen(2048)
     return sock
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def advertised_url(host: str, port: int, toward: str | None = None) -> str:
+    """The base URL at which others reach this worker: the bound host, or for a wildcard host (0.0.0.0, ::), the
+    address of this machine's interface that routes toward `toward` (the pool manager), else its host name."""
+    if host in WILDCARD_HOSTS:
+        host = (toward and outward_address(toward)) or socket.gethostname()
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def outward_address(url: str) -> str | None:
+    """The local address the kernel picks to reach the URL's host; a UDP connect sends no packet."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return None
+    try:
+        family, _, _, _, address = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return None

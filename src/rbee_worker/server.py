@@ -7,7 +7,9 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -18,10 +20,16 @@ from rbee_worker.api.native import WorkerState, native_router
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.errors import RegistrationError
+from rbee_worker.listener import advertised_url
 from rbee_worker.models.loader import load_model
+from rbee_worker.models.progress import LoadProgress
 from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_ready_callback
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+CANCELLED_STREAMS_GRACE_S = 5.0  # after a drain cancels what is left, how long its streams get to send the end
+SHUTDOWN_GRACE_S = 5.0  # then how long uvicorn waits for connections to close
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,12 @@ class ServeSettings:
     host: str  # for the URL reported to the pool manager; the socket is bound by the caller
     placement: Placement
     deterministic: bool
+    max_batch: int
+    max_queue: int
+    max_context: int | None
+    drain_timeout_s: float
+    stall_timeout_s: float
+    unclaimed_job_timeout_s: float
     callback_url: str | None
     callback_timeout_s: float
     heartbeat_url: str | None
@@ -39,33 +53,94 @@ class ServeSettings:
     api_token: str | None  # LLORCH_API_TOKEN: when set, every route but GET /health needs it
 
 
-def serve(settings: ServeSettings, sock: socket.socket) -> None:
-    """Run the worker until it is stopped.
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM / SIGINT start the worker's drain instead of uvicorn's own shutdown
+    (which would also re-raise the signal afterwards and kill the process with it instead of exiting 0)."""
 
-    Raises BindError or RegistrationError (exit 3) or ModelLoadError (exit 2) once the server has shut down.
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.on_signal()
+
+
+def serve(settings: ServeSettings, sock: socket.socket) -> None:
+    """Run the worker until it is stopped: a drain (signal or POST /shutdown) ends in a normal return.
+
+    Raises RegistrationError (exit 3) or ModelLoadError (exit 2) once the server has shut down.
     """
     port = sock.getsockname()[1]
     worker_id = settings.worker_id or f"{socket.gethostname()}-{port}"
-    engine = Engine(lambda: load_model(settings.model, settings.placement), deterministic=settings.deterministic)
-    state = WorkerState(engine=engine, worker_id=worker_id, model_ref=settings.model_ref or settings.model)
+    progress = LoadProgress()
+    engine = Engine(
+        lambda: load_model(settings.model, settings.placement, progress, settings.max_context),
+        deterministic=settings.deterministic,
+        max_batch=settings.max_batch,
+        max_queue=settings.max_queue,
+    )
+    state = WorkerState(
+        engine=engine,
+        worker_id=worker_id,
+        model_ref=settings.model_ref or settings.model,
+        progress=progress,
+        stall_timeout_s=settings.stall_timeout_s,
+        unclaimed_job_timeout_s=settings.unclaimed_job_timeout_s,
+    )
     app = FastAPI(title="rbee-worker", version=__version__)
     app.include_router(native_router(state))
     app.add_middleware(AuthAndCorrelation, token=settings.api_token)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
     failures: list[Exception] = []  # what stopped the worker, re-raised once the server is down
+    hurry = asyncio.Event()  # a second shutdown request: cancel what runs now instead of waiting
+    drain_task: asyncio.Task | None = None
+
+    def request_shutdown() -> None:
+        """Start the drain (on the event loop's thread); asked again, stop waiting for running jobs."""
+        nonlocal drain_task
+        if drain_task is None:
+            drain_task = asyncio.create_task(drain())
+        else:
+            hurry.set()
+
+    state.request_shutdown = request_shutdown
+
+    async def drain() -> None:
+        """Stop admitting, let running jobs finish for up to --drain-timeout, cancel the rest, then stop."""
+        state.draining = True
+        log.info("draining: %d job(s) in flight, waiting up to %.0f s", engine.in_flight, settings.drain_timeout_s)
+        await until(lambda: not state.busy(), settings.drain_timeout_s, hurry)
+        if state.busy():
+            log.warning("drain: cancelling %d job(s) still running", engine.in_flight)
+            engine.cancel_all()
+            for job_id in [j for j, job in state.jobs.items() if not job.reader_attached]:
+                del state.jobs[job_id]  # nobody will read these
+            await until(lambda: not (engine.in_flight or state.open_streams), CANCELLED_STREAMS_GRACE_S, None)
+        server.should_exit = True
 
     async def lifecycle() -> None:
         """Wait for the model, name it, register with the pool manager, then beat until the server stops."""
+        while not engine.load_finished:  # polled, not awaited in a thread that a shutdown would have to join
+            await asyncio.sleep(POLL_S)
         try:
-            loaded = await asyncio.to_thread(lambda: engine.loaded)
+            loaded = engine.loaded
         except Exception as exc:
             failures.append(exc)
             server.should_exit = True
             return
         if settings.model_ref is None:
             state.model_ref = loaded.info.name
-        url = f"http://{settings.host}:{port}"
-        log.info("ready: %s on %s at %s", state.model_ref, loaded.info.device, url)
+        url = advertised_url(settings.host, port, settings.callback_url)
+        log.info(
+            "ready: %s on %s at %s (loaded in %.2f s)",
+            state.model_ref,
+            loaded.info.device,
+            url,
+            loaded.info.load_seconds,
+            extra={"fields": {"worker_id": worker_id, "url": url}},
+        )
         if settings.callback_url:
             memory = engine.memory_bytes()
             payload = ReadyPayload(
@@ -86,11 +161,18 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         if settings.heartbeat_url:
 
             def status() -> HeartbeatStatus:
-                return HeartbeatStatus(worker_id, "healthy", "busy" if engine.active_requests else "idle")
+                condition = state.condition()
+                health = "healthy" if condition == "healthy" else "degraded"
+                return HeartbeatStatus(worker_id, health, "draining" if state.draining else state.activity())
 
             await heartbeat_loop(settings.heartbeat_url, settings.heartbeat_interval_s, status)
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread():
+            # Also before uvicorn installs its handlers (and after it restores the previous ones).
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: loop.call_soon_threadsafe(request_shutdown))
         task = asyncio.create_task(lifecycle())
         try:
             await server.serve(sockets=[sock])
@@ -99,16 +181,19 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    if threading.current_thread() is threading.main_thread():
-        # uvicorn answers SIGTERM/SIGINT with a graceful shutdown and then re-raises the signal to the handlers that
-        # were installed before it ran; with the defaults the process would die of it (exit 143 / KeyboardInterrupt)
-        # instead of exiting 0 as the contract says. Ours only asks for the shutdown (again, when re-raised), which
-        # also covers a signal that comes before uvicorn has installed its own.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    server = _Server(config, on_signal=lambda: asyncio.get_running_loop().call_soon_threadsafe(request_shutdown))
     try:
         asyncio.run(main())
     finally:
+        progress.cancel()  # a load still running stops at its next tensor, so the engine thread can be joined
         engine.close()
     if failures:
         raise failures[0]
+
+
+async def until(done: Callable[[], bool], timeout_s: float, interrupt: asyncio.Event | None) -> None:
+    """Poll `done` until it holds, `timeout_s` passes or `interrupt` is set."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not done() and loop.time() < deadline and not (interrupt and interrupt.is_set()):
+        await asyncio.sleep(POLL_S)

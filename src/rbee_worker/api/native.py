@@ -1,13 +1,16 @@
-"""The worker's native API (CONTRACT.md §2): /health, /v1/ready, POST /execute, the job API and /cancel.
+"""The worker's native API (CONTRACT.md §2): /health, /v1/ready, /v1/loading/progress, POST /execute, the job API,
+/cancel and /shutdown.
 
 Routes are thin: validate (api/validation.py), submit to the engine, and turn its events into SSE lines. Nothing here
-runs model code: the engine's thread does, and this module only talks to it through `Engine.astream` and
-`Engine.cancel`.
+runs model code: the engine's thread does, and this module only talks to it through `Engine.astream`,
+`Engine.cancel` and its counters.
 """
 
+import asyncio
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
@@ -15,17 +18,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rbee_worker.api.validation import FieldError, JobRequest, errors_body, parse_job_request
-from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Started, StopReason, Token
 from rbee_worker.engine.types import Request as EngineRequest
+from rbee_worker.models.progress import LoadProgress
+
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PROGRESS_URL = "/v1/loading/progress"
+PROGRESS_POLL_S = 0.1
 
 
 @dataclass
 class Job:
-    """A job of the job API: its events wait in `events` until the one reader attaches."""
+    """An admitted job (already submitted to the engine); its events wait in `events` until its one reader comes."""
 
     job_id: str
     events: AsyncIterator[Event]
@@ -37,8 +45,30 @@ class WorkerState:
     engine: Engine
     worker_id: str
     model_ref: str
-    running: set[str] = field(default_factory=set)  # job ids admitted and not yet finished or read to the end
-    jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs not yet fully read
+    progress: LoadProgress = field(default_factory=LoadProgress)
+    stall_timeout_s: float = 120.0  # an engine with work and no finished step for this long is unhealthy
+    unclaimed_job_timeout_s: float = 60.0  # a job API job whose stream nobody opens is cancelled after this
+    request_shutdown: Callable[[], None] = lambda: None  # POST /shutdown; the server sets it
+    draining: bool = False
+    jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end
+    open_streams: int = 0  # SSE job streams being written
+
+    def condition(self) -> str:
+        """loading, draining, unhealthy or healthy: what /health, /v1/ready and the heartbeat report."""
+        if not self.engine.is_loaded:
+            return "draining" if self.draining else "loading"
+        if self.draining:
+            return "draining"
+        if self.engine.seconds_without_progress() > self.stall_timeout_s:
+            return "unhealthy"
+        return "healthy"
+
+    def activity(self) -> str:
+        return "busy" if self.engine.in_flight else "idle"
+
+    def busy(self) -> bool:
+        """Work that a drain waits for: jobs in the engine, streams being written, job API jobs not yet read."""
+        return bool(self.engine.in_flight or self.open_streams or self.jobs)
 
 
 def native_router(state: WorkerState) -> APIRouter:
@@ -46,34 +76,48 @@ def native_router(state: WorkerState) -> APIRouter:
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        engine = state.engine
+        engine, condition = state.engine, state.condition()
         if not engine.is_loaded:
-            return JSONResponse({"status": "loading", "worker_id": state.worker_id}, status_code=503)
+            return JSONResponse({"status": condition, "worker_id": state.worker_id}, status_code=503)
         info = engine.loaded.info
         memory = engine.memory_bytes()
-        return JSONResponse(
-            {
-                "status": "healthy",
-                "state": "busy" if engine.active_requests else "idle",
-                "worker_id": state.worker_id,
-                "model": state.model_ref,
-                "vram_bytes": memory if info.device.type == "cuda" else 0,
-                "memory_bytes": memory,
-            }
-        )
+        body = {
+            "status": condition,
+            "state": state.activity(),
+            "worker_id": state.worker_id,
+            "model": state.model_ref,
+            "vram_bytes": memory if info.device.type == "cuda" else 0,
+            "memory_bytes": memory,
+        }
+        if condition == "unhealthy":
+            body["message"] = (
+                f"the engine has finished no step for {engine.seconds_without_progress():.1f} s with "
+                f"{engine.in_flight} job(s) in flight"
+            )
+        return JSONResponse(body, status_code=200 if condition == "healthy" else 503)
 
     @router.get("/v1/ready")
     async def ready() -> JSONResponse:
-        engine = state.engine
-        if not engine.is_loaded:
-            return JSONResponse({"ready": False, "state": "loading", "model_loaded": False})
-        return JSONResponse(
-            {"ready": True, "state": "busy" if engine.active_requests else "idle", "model_loaded": True}
-        )
+        condition = state.condition()
+        if condition == "loading":
+            return JSONResponse(
+                {"ready": False, "state": "loading", "model_loaded": False, "progress_url": PROGRESS_URL}
+            )
+        named = {"healthy": state.activity(), "draining": "draining", "unhealthy": "error"}[condition]
+        return JSONResponse({"ready": condition == "healthy", "state": named, "model_loaded": state.engine.is_loaded})
+
+    @router.get(PROGRESS_URL)
+    async def loading_progress() -> StreamingResponse:
+        return StreamingResponse(progress_events(state), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @router.post("/shutdown")
+    async def shutdown() -> JSONResponse:
+        state.request_shutdown()
+        return JSONResponse({"status": "draining"}, status_code=202)
 
     @router.post("/execute")
     async def execute(request: Request) -> Response:
-        job = await admit(state, await request.body(), require_job_id=True)
+        job = await admit(state, request, require_job_id=True)
         if isinstance(job, Response):
             return job
         return StreamingResponse(
@@ -82,10 +126,11 @@ def native_router(state: WorkerState) -> APIRouter:
 
     @router.post("/v1/inference")
     async def create_job(request: Request) -> Response:
-        job = await admit(state, await request.body(), require_job_id=False)
+        job = await admit(state, request, require_job_id=False)
         if isinstance(job, Response):
             return job
         state.jobs[job.job_id] = job
+        asyncio.get_running_loop().call_later(state.unclaimed_job_timeout_s, expire_unclaimed, state, job)
         return JSONResponse({"job_id": job.job_id, "sse_url": f"/v1/inference/{job.job_id}/stream"})
 
     @router.get("/v1/inference/{job_id}/stream")
@@ -117,9 +162,11 @@ def native_router(state: WorkerState) -> APIRouter:
     return router
 
 
-async def admit(state: WorkerState, body: bytes, *, require_job_id: bool) -> Job | Response:
-    """Validate a job request and start it in the engine; or the error response."""
+async def admit(state: WorkerState, http_request: Request, *, require_job_id: bool) -> Job | Response:
+    """Validate a job request and submit it to the engine; or the error response."""
     engine = state.engine
+    if state.draining:
+        return error_response(503, "DRAINING", "the worker is shutting down and takes no new jobs")
     if not engine.is_loaded:
         return error_response(503, "LOADING", "the model is still loading; retry shortly", retry_after=1)
     prompt_ids: tuple[int, ...] = ()
@@ -130,13 +177,17 @@ async def admit(state: WorkerState, body: bytes, *, require_job_id: bool) -> Job
         return len(prompt_ids)
 
     parsed = parse_job_request(
-        body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=engine.loaded.info.context_length
+        await http_request.body(),
+        require_job_id=require_job_id,
+        count_tokens=count_tokens,
+        context_length=engine.loaded.info.context_length,
     )
     if not isinstance(parsed, JobRequest):
         return JSONResponse(errors_body(parsed), status_code=400)
     job_id = parsed.job_id or uuid.uuid4().hex
-    if job_id in state.running:  # job API jobs are in it too until fully read
-        return field_error(409, FieldError("job_id", "unique", f"job {job_id} is already running", job_id))
+    running = FieldError("job_id", "unique", f"job {job_id} is already running", job_id)
+    if job_id in state.jobs:  # a job API job stays until its stream is read, even once generated
+        return field_error(409, running)
     request = EngineRequest(
         prompt_ids=prompt_ids,
         max_tokens=parsed.max_tokens,
@@ -150,26 +201,74 @@ async def admit(state: WorkerState, body: bytes, *, require_job_id: bool) -> Job
         seed=parsed.seed,
         stop=parsed.stop,
         request_id=job_id,
+        correlation_id=getattr(http_request.state, "correlation_id", None),
     )
-    state.running.add(job_id)
-    events = engine.astream(request)
-    # Submit now (the first event is awaited here) so a job API job runs before its reader attaches.
-    first = await anext(events)
-    return Job(job_id, _prepend(first, events))
-
-
-async def _prepend(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
     try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()  # cancels the request in the engine if it is still running
+        return Job(job_id, engine.astream(request))
+    except DuplicateRequest:
+        return field_error(409, running)
+    except EngineBusy as busy:
+        running_now = min(busy.in_flight, busy.max_batch)
+        return JSONResponse(
+            {
+                "error": {
+                    "code": "ALL_SLOTS_BUSY",
+                    "message": str(busy),
+                    "slots_total": busy.max_batch,
+                    "slots_busy": running_now,
+                    "queue_total": busy.max_queue,
+                    "queue_busy": busy.in_flight - running_now,
+                }
+            },
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+
+
+def expire_unclaimed(state: WorkerState, job: Job) -> None:
+    """A job API job whose stream nobody opened in time: cancel it and forget it, so it holds no slot and no memory."""
+    if state.jobs.get(job.job_id) is job and not job.reader_attached:
+        del state.jobs[job.job_id]
+        state.engine.cancel(job.job_id)
+        log.warning(
+            "job %s cancelled: its stream was not opened within %.0f s",
+            job.job_id,
+            state.unclaimed_job_timeout_s,
+            extra={"fields": {"job_id": job.job_id}},
+        )
+
+
+async def progress_events(state: WorkerState) -> AsyncIterator[str]:
+    """GET /v1/loading/progress: a loading event whenever the count moves, then ready (or error) and [DONE]."""
+    engine, progress = state.engine, state.progress
+    last: dict | None = None
+    while True:
+        finished = engine.load_finished  # read before the snapshot, so the final count is always sent
+        snapshot = {
+            "stage": "loading",
+            "layers_loaded": progress.layers_loaded,
+            "layers_total": progress.layers_total,
+            "memory_mb": round(progress.bytes_loaded / 2**20, 1),
+        }
+        if snapshot != last and (not finished or last is not None):
+            yield f"data: {json.dumps(snapshot)}\n\n"
+            last = snapshot
+        if finished:
+            break
+        await asyncio.sleep(PROGRESS_POLL_S)
+    try:
+        engine.loaded  # noqa: B018 -- raises what loading raised
+        final = {"stage": "ready"}
+    except Exception as exc:
+        final = {"stage": "error", "message": str(exc)}
+    yield f"data: {json.dumps(final)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def sse(state: WorkerState, job: Job, *, done_marker: bool) -> AsyncIterator[str]:
     """The job's events as SSE lines; closing this generator (the client left) cancels the job."""
     model, pieces = state.model_ref, 0
+    state.open_streams += 1
     try:
         async for event in job.events:
             if isinstance(event, Token):
@@ -181,9 +280,10 @@ async def sse(state: WorkerState, job: Job, *, done_marker: bool) -> AsyncIterat
         if done_marker:
             yield "data: [DONE]\n\n"
     finally:
-        await job.events.aclose()
-        state.running.discard(job.job_id)
-        state.jobs.pop(job.job_id, None)
+        await job.events.aclose()  # cancels the job in the engine if it has not ended
+        state.open_streams -= 1
+        if state.jobs.get(job.job_id) is job:
+            del state.jobs[job.job_id]
 
 
 def event_json(event: Event, job_id: str, model: str) -> dict:

@@ -6,10 +6,14 @@ tokens of the others and none waits for another to finish. Each forward covers o
 request's tokens independent of what else runs (batch invariance): `--deterministic` is therefore met by
 construction today; batching several sequences into one forward (the performance issue) will keep a batch-of-one
 path for that flag.
+
+At most `max_batch` requests advance at a time; admitted requests beyond that wait in arrival order, and at most
+`max_queue` may wait: a request beyond both limits is refused at once (EngineBusy) rather than queued without end.
 """
 
 import asyncio
 import inspect
+import itertools
 import logging
 import queue
 import threading
@@ -32,6 +36,18 @@ Sink = Callable[[Event], None]
 
 class RequestError(ValueError):
     """A request the engine refuses before generating (the message says why)."""
+
+
+class DuplicateRequest(RuntimeError):
+    """A request with this id is already in flight."""
+
+
+class EngineBusy(RuntimeError):
+    """Every running slot and every queue place is taken; the caller should retry later."""
+
+    def __init__(self, max_batch: int, max_queue: int, in_flight: int) -> None:
+        super().__init__(f"all {max_batch} slots and {max_queue} queue places are taken; retry shortly")
+        self.max_batch, self.max_queue, self.in_flight = max_batch, max_queue, in_flight
 
 
 @dataclass
@@ -66,14 +82,28 @@ class Engine:
     (20 vs 44 tok/s, demo model, fp16, 2 cores), while loading and decoding on one thread matched the main thread.
     """
 
-    def __init__(self, load: Callable[[], LoadedModel], *, deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        load: Callable[[], LoadedModel],
+        *,
+        deterministic: bool = False,
+        max_batch: int = 16,
+        max_queue: int = 64,
+    ) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be at least 1 and max_queue at least 0")
         self.deterministic = deterministic
+        self.max_batch, self.max_queue = max_batch, max_queue
         self._load = load
         self._loaded: LoadedModel | None = None
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
         self._inbox: queue.SimpleQueue[_Sequence | str | None] = queue.SimpleQueue()
+        # Admitted requests in arrival order: the first max_batch run, the others wait for a slot.
         self._active: dict[str, _Sequence] = {}
+        self._in_flight: set[str] = set()  # ids submitted and not yet ended: inbox, running and waiting requests
+        self._in_flight_lock = threading.Lock()
+        self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
         self._kv_bytes = 0
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
@@ -83,6 +113,11 @@ class Engine:
     def is_loaded(self) -> bool:
         """True once the model is loaded and the engine serves requests (never blocks)."""
         return self._loaded is not None and not self._closed.is_set()
+
+    @property
+    def load_finished(self) -> bool:
+        """True once loading has ended, loaded or failed (never blocks)."""
+        return self._ready.is_set()
 
     @property
     def loaded(self) -> LoadedModel:
@@ -122,7 +157,11 @@ class Engine:
             raise RequestError("stop strings must be non-empty")
 
     def submit(self, request: Request, sink: Sink) -> None:
-        """Queue a request; `sink` gets Started, Token*, then exactly one End or Error, from the engine thread."""
+        """Queue a request; `sink` gets Started, Token*, then exactly one End or Error, from the engine thread.
+
+        Raises DuplicateRequest when a request with the same id is in flight and EngineBusy when the running slots
+        and the queue are full, both before anything is sent.
+        """
         try:
             if self._closed.is_set():
                 raise RequestError("the engine is shut down")
@@ -140,6 +179,12 @@ class Engine:
             detokenizer=Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop),
             submitted_at=time.perf_counter(),
         )
+        with self._in_flight_lock:
+            if request.request_id in self._in_flight:
+                raise DuplicateRequest(f"request {request.request_id} is already running")
+            if len(self._in_flight) >= self.max_batch + self.max_queue:
+                raise EngineBusy(self.max_batch, self.max_queue, len(self._in_flight))
+            self._in_flight.add(request.request_id)
         self._inbox.put(sequence)
 
     def stream(self, request: Request) -> Iterator[Event]:
@@ -156,14 +201,18 @@ class Engine:
             if not finished:
                 self.cancel(request.request_id)
 
-    async def astream(self, request: Request) -> AsyncIterator[Event]:
-        """The request's events on the caller's event loop; leaving early (or cancelling the task) cancels it.
+    def astream(self, request: Request) -> AsyncIterator[Event]:
+        """Submit now (raising EngineBusy at once) and return the request's events on the running event loop;
+        leaving the iterator early (or cancelling its task) cancels the request.
 
         Only queues cross threads here: the event loop never runs model code (see the class docstring).
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         self.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        return self._receive(request.request_id, events)
+
+    async def _receive(self, request_id: str, events: "asyncio.Queue[Event]") -> AsyncIterator[Event]:
         finished = False
         try:
             while not finished:
@@ -172,14 +221,22 @@ class Engine:
                 yield event
         finally:
             if not finished:
-                self.cancel(request.request_id)
+                self.cancel(request_id)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request between two steps; it ends with stop reason CANCELLED. Unknown ids are ignored."""
         self._inbox.put(request_id)
 
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (each ends CANCELLED)."""
+        with self._in_flight_lock:
+            ids = list(self._in_flight)
+        for request_id in ids:
+            self.cancel(request_id)
+
     def close(self) -> None:
-        """Cancel everything and stop the scheduler thread."""
+        """Cancel everything and stop the scheduler thread (after the load, if it still runs: see LoadProgress.cancel
+        for cutting that short)."""
         self._closed.set()
         self._inbox.put(None)
         self._thread.join()
@@ -190,11 +247,26 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, _Sequence):
-                item.send(Error(item.request.request_id, ErrorCode.CANCELLED, "the engine shut down"))
+                self._retire(item, Error(item.request.request_id, ErrorCode.CANCELLED, "the engine shut down"))
 
     @property
-    def active_requests(self) -> int:
-        return len(self._active)
+    def running_requests(self) -> int:
+        """Requests holding one of the max_batch slots (the others in flight wait for one)."""
+        return min(len(self._active), self.max_batch)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended: running, waiting for a slot, or not yet seen by the engine."""
+        return len(self._in_flight)
+
+    def seconds_without_progress(self) -> float:
+        """How long the engine has had work and finished no step; 0 when idle. A dead engine thread never
+        progresses again: infinity."""
+        if not self._thread.is_alive():
+            return float("inf")
+        if not self._in_flight:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
 
     def memory_bytes(self) -> int:
         """Measured device memory in use: weights plus the KV caches of the active requests."""
@@ -220,8 +292,9 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         with torch.inference_mode():
             while self._admit(block=not self._active):
-                for sequence in list(self._active.values()):
+                for sequence in list(itertools.islice(self._active.values(), self.max_batch)):
                     self._advance(sequence)
+                    self._last_progress = time.monotonic()
                 self._kv_bytes = sum(_cache_bytes(s.cache) for s in self._active.values())
             for sequence in list(self._active.values()):
                 self._finish(sequence, StopReason.CANCELLED)
@@ -233,6 +306,8 @@ class Engine:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 return True
+            if block:  # the engine was idle until now: the wait was not a stall
+                self._last_progress = time.monotonic()
             block = False
             if item is None:
                 return False
@@ -240,8 +315,6 @@ class Engine:
                 # Ended here rather than at its next step: its KV cache is freed and its id can be reused at once.
                 if sequence := self._active.get(item):
                     self._finish(sequence, StopReason.CANCELLED)
-            elif item.request.request_id in self._active:
-                item.send(Error(item.request.request_id, ErrorCode.INVALID_REQUEST, "request id is already running"))
             else:
                 self._active[item.request.request_id] = item
                 item.send(Started(item.request.request_id, len(item.request.prompt_ids), item.seed))
@@ -296,12 +369,12 @@ class Engine:
         sequence.pieces += 1
 
     def _finish(self, sequence: _Sequence, reason: StopReason) -> None:
-        del self._active[sequence.request.request_id]
         if reason is not StopReason.CANCELLED and (rest := sequence.detokenizer.finish()):
             self._emit_piece(sequence, rest, ())
         now = time.perf_counter()
         first = sequence.first_token_at or now
-        sequence.send(
+        self._retire(
+            sequence,
             End(
                 request_id=sequence.request.request_id,
                 stop_reason=reason,
@@ -312,12 +385,43 @@ class Engine:
                 time_to_first_token_s=first - sequence.submitted_at,
                 decode_time_s=now - first,
                 kv_cache_bytes=_cache_bytes(sequence.cache),
-            )
+            ),
         )
 
     def _fail(self, sequence: _Sequence, code: ErrorCode, message: str) -> None:
-        del self._active[sequence.request.request_id]
-        sequence.send(Error(sequence.request.request_id, code, message))
+        self._retire(sequence, Error(sequence.request.request_id, code, message))
+
+    def _retire(self, sequence: _Sequence, terminal: End | Error) -> None:
+        """Free the request's slot and KV cache, then send its one terminal event."""
+        if self._active.get(sequence.request.request_id) is sequence:
+            del self._active[sequence.request.request_id]
+        sequence.cache = None
+        with self._in_flight_lock:
+            self._in_flight.discard(sequence.request.request_id)
+        sequence.send(terminal)
+        _log_finished(sequence.request, terminal)
+
+
+def _log_finished(request: Request, terminal: End | Error) -> None:
+    """The one log line per finished request (CONTRACT.md §5)."""
+    fields: dict[str, object] = {"job_id": request.request_id, "correlation_id": request.correlation_id}
+    if isinstance(terminal, Error):
+        fields |= {"prompt_tokens": len(request.prompt_ids), "error": terminal.code.value, "message": terminal.message}
+        log.log(
+            logging.INFO if terminal.code is ErrorCode.CANCELLED else logging.WARNING,
+            "job failed",
+            extra={"fields": fields},
+        )
+        return
+    decode_rate = (terminal.tokens_out - 1) / terminal.decode_time_s if terminal.decode_time_s > 0 else 0.0
+    fields |= {
+        "prompt_tokens": terminal.prompt_tokens,
+        "tokens_out": terminal.tokens_out,
+        "ttft_ms": round(terminal.time_to_first_token_s * 1000, 1),
+        "tokens_per_s": round(max(decode_rate, 0.0), 1),
+        "stop_reason": terminal.stop_reason.value,
+    }
+    log.info("job finished", extra={"fields": fields})
 
 
 def _cache_bytes(cache: DynamicCache | None) -> int:

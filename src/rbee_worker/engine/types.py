@@ -32,6 +32,7 @@ class Request:
     seed: int | None = None  # None: a random seed, reported in End
     stop: tuple[str, ...] = ()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    correlation_id: str | None = None  # the caller's trace id, carried into the request's log line
 
 
 @dataclass(frozen=True)

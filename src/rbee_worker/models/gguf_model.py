@@ -20,6 +20,7 @@ from rbee_worker.models.dequant import dequantize
 from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
+from rbee_worker.models.progress import LoadProgress
 
 # GGUF architecture -> transformers model_type, for the architectures whose GGUF metadata and tensors map onto the
 # transformers model without architecture-specific rewrites beyond the Q/K permutation below. There is no "mistral":
@@ -57,7 +58,7 @@ CONFIG_KEYS = {
 }
 
 
-def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> LoadedModel:
     file = read_gguf(path)
     arch = file.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -68,11 +69,12 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMod
     config = gguf_config(file, arch)
     elements = sum(math.prod(t.shape) for t in file.tensors.values())
     check_fits(elements * dtype.itemsize, device, f"the weights of {path.name} (dequantized to {dtype})")
+    progress.expect(config.num_hidden_layers, elements * dtype.itemsize)
     tokenizer = build_tokenizer(file.metadata)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
         skeleton = model_class(config)
-    state_dict = gguf_state_dict(file, arch, skeleton, config, device, dtype)
+    state_dict = gguf_state_dict(file, arch, skeleton, config, device, dtype, progress)
     try:
         model, loading_info = model_class.from_pretrained(
             None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
@@ -164,6 +166,7 @@ def gguf_state_dict(
     config: PretrainedConfig,
     device: torch.device,
     dtype: torch.dtype,
+    progress: LoadProgress,
 ) -> dict[str, torch.Tensor]:
     """Map GGUF tensor names to the model's parameter names and dequantize each tensor onto `device`."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
@@ -201,6 +204,7 @@ def gguf_state_dict(
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             tensor = unpermute_rotary(tensor, heads)
         state[hf_name] = tensor
+        progress.add(tensor.nbytes)
     return state
 
 

@@ -17,28 +17,32 @@ from transformers.models.auto.modeling_auto import (
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
+from rbee_worker.models.progress import LoadProgress
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> LoadedModel:
     config = read_config(path)
     model_class = causal_lm_class(config, path)
     shards = weight_files(path)
-    check_fits(weight_elements(shards) * dtype.itemsize, device, f"the weights of {path.name}")
+    weight_bytes = weight_elements(shards) * dtype.itemsize
+    check_fits(weight_bytes, device, f"the weights of {path.name}")
+    progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes)
     tokenizer = load_tokenizer(path)
     generation_eos = read_generation_eos(path)
     try:
         # Shape mismatches are reported by check_loading_info: transformers' own error points at a log report that
         # the CLI silences.
-        model, loading_info = model_class.from_pretrained(
-            path,
-            config=config,
-            dtype=dtype,
-            device_map={"": device} if device.type != "cpu" else None,
-            ignore_mismatched_sizes=True,
-            output_loading_info=True,
-        )
+        with progress.counting_parameters():
+            model, loading_info = model_class.from_pretrained(
+                path,
+                config=config,
+                dtype=dtype,
+                device_map={"": device} if device.type != "cpu" else None,
+                ignore_mismatched_sizes=True,
+                output_loading_info=True,
+            )
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(f"not enough memory on {device} to load {path.name}; use a smaller model") from exc
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:

@@ -12,6 +12,7 @@ from rbee_worker.devices import Placement, check_placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.demo import demo_model_path
 from rbee_worker.models.loaded import LoadedModel
+from rbee_worker.models.progress import LoadProgress
 
 GGUF_MAGIC = b"GGUF"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -53,8 +54,13 @@ def is_gguf(path: Path) -> bool:
         raise ModelLoadError(f"cannot read model file {path}: {exc.strerror or exc}; check its permissions") from exc
 
 
-def load_model(spec: str, placement: Placement) -> LoadedModel:
-    """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message."""
+def load_model(
+    spec: str, placement: Placement, progress: LoadProgress | None = None, max_context: int | None = None
+) -> LoadedModel:
+    """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message.
+
+    `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory).
+    """
     import transformers
 
     from rbee_worker.models.gguf_model import load_gguf
@@ -65,12 +71,13 @@ def load_model(spec: str, placement: Placement) -> LoadedModel:
     if not logging.getLogger("rbee_worker").isEnabledFor(logging.DEBUG):
         transformers.utils.logging.set_verbosity_error()
     started = time.perf_counter()
+    progress = progress or LoadProgress()
     path = resolve_model_path(spec)
     try:
         if path.is_dir():
-            loaded = load_hf_directory(path, placement.device, placement.dtype)
+            loaded = load_hf_directory(path, placement.device, placement.dtype, progress)
         elif path.is_file() and is_gguf(path):
-            loaded = load_gguf(path, placement.device, placement.dtype)
+            loaded = load_gguf(path, placement.device, placement.dtype, progress)
         else:
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     except torch.OutOfMemoryError as exc:
@@ -80,5 +87,12 @@ def load_model(spec: str, placement: Placement) -> LoadedModel:
     except MemoryError as exc:
         raise ModelLoadError(f"not enough host memory to load {path.name}; use a smaller model") from exc
     check_placement(loaded.model, placement.device)
-    info = dataclasses.replace(loaded.info, load_seconds=time.perf_counter() - started)
+    context = loaded.info.context_length
+    if max_context is not None and max_context > context:
+        raise ModelLoadError(
+            f"--max-context {max_context} exceeds the context of {path.name} ({context} tokens); pass at most {context}"
+        )
+    info = dataclasses.replace(
+        loaded.info, context_length=max_context or context, load_seconds=time.perf_counter() - started
+    )
     return dataclasses.replace(loaded, info=info)

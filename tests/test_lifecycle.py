@@ -1,0 +1,297 @@
+"""`rbee-worker serve` beyond single jobs, against real worker processes: loading progress, slot and queue limits,
+drain on SIGTERM / SIGINT / POST /shutdown, stall detection, unclaimed jobs, --max-context, the advertised URL and the
+per-job log line."""
+
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serving import LONG, PROMPT, Manager, Stream, Worker, execute, launch, read_rest, sse_events, take_tokens
+
+pytestmark = pytest.mark.slow
+
+STALL_TIMEOUT_S = 0.2
+UNCLAIMED_S = 1.0
+MAX_CONTEXT = 512
+# About 400 tokens: one prefill forward over it takes well over STALL_TIMEOUT_S on a CPU.
+LONG_PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 23
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """One worker with small limits, shared by the tests below that leave it idle."""
+    worker = launch(
+        tmp_path_factory.mktemp("tuned"),
+        "--max-batch", "2",
+        "--max-queue", "1",
+        "--stall-timeout", str(STALL_TIMEOUT_S),
+        "--unclaimed-job-timeout", str(UNCLAIMED_S),
+        "--max-context", str(MAX_CONTEXT),
+        "--log-format", "json",
+    )  # fmt: skip
+    try:
+        worker.wait_healthy()
+        yield worker
+    finally:
+        assert worker.stop() == 0, worker.stderr()
+
+
+@pytest.fixture(scope="module")
+def client(tuned: Worker) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=tuned.url, timeout=120) as http:
+        yield http
+
+
+def data_lines(response: httpx.Response) -> list[dict[str, Any] | str]:
+    return [e for _, e in sse_events(response)]
+
+
+# --- loading ----------------------------------------------------------------------------------------------------------
+
+
+def test_loading_progress_counts_layers_then_ready(tmp_path: Path) -> None:
+    worker = launch(tmp_path)
+    try:
+        while True:  # until the port answers (imports done) while the model still loads
+            assert worker.process.poll() is None, worker.stderr()
+            try:
+                ready = httpx.get(f"{worker.url}/v1/ready", timeout=5).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.01)
+        assert ready == {
+            "ready": False,
+            "state": "loading",
+            "model_loaded": False,
+            "progress_url": "/v1/loading/progress",
+        }
+        with httpx.stream("GET", f"{worker.url}{ready['progress_url']}", timeout=60) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = data_lines(response)
+        *loading, last, done = events
+        assert (last, done) == ({"stage": "ready"}, "[DONE]"), events
+        assert loading, "no loading event although the stream was opened during the load"
+        assert all(e["stage"] == "loading" and e["layers_total"] == 30 for e in loading), loading
+        layers = [e["layers_loaded"] for e in loading]
+        assert layers == sorted(layers) and layers[-1] == 30
+        memory = [e["memory_mb"] for e in loading]
+        assert memory == sorted(memory) and 200 < memory[-1] < 300  # the fp16 weights: ~257 MiB
+        # Once loaded, the stream says ready at once.
+        with httpx.stream("GET", f"{worker.url}/v1/loading/progress", timeout=10) as response:
+            assert data_lines(response) == [{"stage": "ready"}, "[DONE]"]
+    finally:
+        assert worker.stop() == 0, worker.stderr()
+
+
+# --- slots and the queue ----------------------------------------------------------------------------------------------
+
+
+def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(client: httpx.Client) -> None:
+    """--max-batch 2 --max-queue 1: of 6 simultaneous jobs, 3 are admitted and finish completely; 3 get
+    ALL_SLOTS_BUSY with Retry-After; a refused job succeeds when retried."""
+    outcomes: dict[int, httpx.Response | Stream] = {}
+    barrier = threading.Barrier(6)
+
+    def submit(i: int) -> None:
+        body = {"job_id": f"slot-{i}-{uuid.uuid4().hex}", "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+        barrier.wait()
+        with client.stream("POST", "/execute", json=body) as response:
+            outcomes[i] = read_rest(response) if response.status_code == 200 else response.read() and response
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    finished = [o for o in outcomes.values() if isinstance(o, Stream)]
+    refused = [o for o in outcomes.values() if isinstance(o, httpx.Response)]
+    assert len(finished) == 3 and len(refused) == 3, outcomes
+    for stream in finished:
+        assert stream.terminal == {**stream.terminal, "type": "end", "stop_reason": "MAX_TOKENS", "tokens_out": 48}
+    texts = {stream.text for stream in finished}
+    assert len(texts) == 1  # the same greedy request: the same text whether it ran at once or waited
+    for response in refused:
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        error = response.json()["error"]
+        assert error["code"] == "ALL_SLOTS_BUSY" and error["message"]
+        assert (error["slots_total"], error["slots_busy"], error["queue_total"], error["queue_busy"]) == (2, 2, 1, 1)
+    assert execute(client, prompt=PROMPT, max_tokens=48, temperature=0).text in texts
+    assert client.get("/health").json()["state"] == "idle"
+
+
+# --- health -----------------------------------------------------------------------------------------------------------
+
+
+def test_health_is_unhealthy_while_the_engine_makes_no_progress(tuned: Worker, client: httpx.Client) -> None:
+    """One prefill forward over ~400 tokens takes longer than --stall-timeout 0.2 s here: meanwhile /health says 503
+    unhealthy and /v1/ready state error; once steps complete again, healthy."""
+    seen: list[tuple[int, dict[str, Any]]] = []
+    ready_states: set[str] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=tuned.url, timeout=30) as http:
+            while not done.is_set():
+                response = http.get("/health")
+                seen.append((response.status_code, response.json()))
+                ready_states.add(http.get("/v1/ready").json()["state"])
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        stream = execute(client, prompt=LONG_PROMPT, max_tokens=2)
+    finally:
+        done.set()
+        poller.join()
+    assert stream.terminal["type"] == "end" and 300 < stream.terminal["prompt_tokens"] < MAX_CONTEXT - 2
+    unhealthy = [body for status, body in seen if status == 503]
+    assert unhealthy, "never unhealthy during the long prefill"
+    assert all(body["status"] == "unhealthy" and "no step" in body["message"] for body in unhealthy), unhealthy
+    assert "error" in ready_states
+    assert client.get("/health").status_code == 200 and client.get("/v1/ready").json()["ready"] is True
+
+
+def test_unclaimed_job_is_cancelled_and_forgotten(client: httpx.Client) -> None:
+    # Longer than the wait (about 40 tokens/s here) and within --max-context.
+    created = client.post("/v1/inference", json={"prompt": PROMPT, "max_tokens": MAX_CONTEXT - 32}).json()
+    time.sleep(UNCLAIMED_S + 1.0)
+    assert client.get(created["sse_url"]).status_code == 404
+    assert client.get("/health").json()["state"] == "idle"  # it holds no slot any more
+
+
+def test_max_context_caps_prompt_plus_max_tokens(client: httpx.Client) -> None:
+    response = client.post("/execute", json={"job_id": "ctx", "prompt": PROMPT, "max_tokens": MAX_CONTEXT})
+    assert response.status_code == 400
+    [error] = response.json()["errors"]
+    assert error["constraint"] == "context_length" and str(MAX_CONTEXT) in error["message"], error
+
+
+# --- logs -------------------------------------------------------------------------------------------------------------
+
+
+def test_one_json_log_line_per_finished_job(tuned: Worker, client: httpx.Client) -> None:
+    correlation_id = str(uuid.uuid4())
+    job_id = "logged-" + uuid.uuid4().hex
+    with client.stream(
+        "POST",
+        "/execute",
+        json={"job_id": job_id, "prompt": PROMPT, "max_tokens": 7, "temperature": 0},
+        headers={"X-Correlation-ID": correlation_id},
+    ) as response:
+        end = read_rest(response).terminal
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in tuned.stderr().splitlines()]  # every line is JSON
+        mine = [line for line in lines if line.get("job_id") == job_id]
+        if mine:
+            break
+        time.sleep(0.05)
+    [line] = mine
+    assert line["msg"] == "job finished" and line["level"] == "info" and line["ts"].endswith("Z")
+    assert line["correlation_id"] == correlation_id
+    assert (line["prompt_tokens"], line["tokens_out"], line["stop_reason"]) == (
+        end["prompt_tokens"],
+        7,
+        "MAX_TOKENS",
+    )
+    assert line["ttft_ms"] > 0 and line["tokens_per_s"] > 0
+
+
+# --- drain ------------------------------------------------------------------------------------------------------------
+
+
+def open_execute(http: httpx.Client, max_tokens: int) -> httpx.Response:
+    body = {"job_id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    response = http.send(http.build_request("POST", "/execute", json=body), stream=True)
+    assert response.status_code == 200, response.read()
+    return response
+
+
+def test_sigterm_lets_running_jobs_finish_then_sigint_cancels_the_rest(tmp_path: Path) -> None:
+    """SIGTERM: new jobs get 503 DRAINING, /health 503 draining, two running jobs finish normally; a second signal
+    (SIGINT) cancels the long job at once instead of waiting out --drain-timeout 60; exit code 0."""
+    worker = launch(tmp_path, "--drain-timeout", "60")
+    worker.wait_healthy()
+    with httpx.Client(base_url=worker.url, timeout=60) as http:
+        short = [open_execute(http, 40) for _ in range(2)]
+        long = open_execute(http, LONG)
+        events = [sse_events(r) for r in (*short, long)]
+        heads = [take_tokens(e, 1) for e in events]
+        worker.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = http.post("/execute", json={"job_id": "late", "prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "DRAINING", refused.text
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert http.get("/v1/ready").json()["state"] == "draining"
+        finished = [read_rest(r, e) for r, e in zip(short, events[:2], strict=True)]
+        for head, stream in zip(heads[:2], finished, strict=True):
+            assert stream.terminal["type"] == "end" and stream.terminal["tokens_out"] == 40, head + stream.events
+        assert worker.process.poll() is None  # the long job still runs: the drain waits for it
+        interrupted_at = time.monotonic()
+        worker.process.send_signal(signal.SIGINT)
+        rest = read_rest(long, events[2])
+        assert rest.terminal["type"] == "error" and rest.terminal["code"] == "CANCELLED"
+        assert time.monotonic() - interrupted_at < 5
+    assert worker.process.wait(timeout=30) == 0, worker.stderr()
+
+
+def test_post_shutdown_cancels_what_outlives_the_drain_timeout(tmp_path: Path) -> None:
+    worker = launch(tmp_path, "--drain-timeout", "1")
+    worker.wait_healthy()
+    with httpx.Client(base_url=worker.url, timeout=60) as http:
+        running = open_execute(http, LONG)
+        events = sse_events(running)
+        take_tokens(events, 2)
+        unread = http.post("/v1/inference", json={"prompt": PROMPT, "max_tokens": LONG})
+        assert unread.status_code == 200
+        asked_at = time.monotonic()
+        response = http.post("/shutdown")
+        assert response.status_code == 202 and response.json() == {"status": "draining"}
+        rest = read_rest(running, events)
+        assert rest.terminal["type"] == "error" and rest.terminal["code"] == "CANCELLED", rest.events
+        assert 1.0 <= time.monotonic() - asked_at < 5
+    assert worker.process.wait(timeout=30) == 0, worker.stderr()
+
+
+def test_stop_signal_while_loading_exits_0_at_once(tmp_path: Path) -> None:
+    """SIGTERM while importing (the port is bound, nothing answers yet) and SIGINT while the model loads."""
+    early = launch(tmp_path)
+    time.sleep(0.5)
+    early.process.send_signal(signal.SIGTERM)
+    assert early.process.wait(timeout=30) == 0, early.stderr()
+
+    loading = launch(tmp_path)
+    while True:
+        assert loading.process.poll() is None, loading.stderr()
+        try:
+            if httpx.get(f"{loading.url}/health", timeout=5).json()["status"] == "loading":
+                break
+        except httpx.TransportError:
+            time.sleep(0.01)
+    loading.process.send_signal(signal.SIGINT)
+    assert loading.process.wait(timeout=30) == 0, loading.stderr()
+    assert "Traceback" not in loading.stderr()
+
+
+# --- the pool manager sees a reachable URL ----------------------------------------------------------------------------
+
+
+def test_wildcard_host_advertises_the_address_facing_the_pool_manager(tmp_path: Path) -> None:
+    manager = Manager([200])
+    worker = launch(tmp_path, "--host", "0.0.0.0", "--allow-unauthenticated", "--callback-url", f"{manager.url}/ready")
+    try:
+        [ready] = manager.wait_for("/ready", 1, timeout=120)
+        assert ready.body["url"] == ready.body["uri"] == f"http://127.0.0.1:{worker.port}"  # not 0.0.0.0
+        assert httpx.get(f"{ready.body['url']}/health", timeout=5).status_code == 200
+    finally:
+        manager.close()
+        assert worker.stop() == 0, worker.stderr()
