@@ -107,10 +107,11 @@ def test_soak_memory_stays_flat(tmp_path: Path) -> None:
     worker.wait_healthy()
     try:
         with httpx.Client(base_url=worker.url, timeout=60) as http:
+            weights = http.get("/health").json()["memory_bytes"]
             for i in range(WARM_UP_JOBS):
                 execute(http, prompt=f"{PROMPT} {i}", max_tokens=4, temperature=0.8)
+            assert http.get("/health").json()["memory_bytes"] == weights
             before = rss(worker)
-            weights = http.get("/health").json()["memory_bytes"]
             started = time.monotonic()
             for i in range(SOAK_JOBS):
                 body = {"prompt": f"{PROMPTS[i % CLIENTS]} number {i}", "max_tokens": 4 + i % 5}

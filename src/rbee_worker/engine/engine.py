@@ -396,6 +396,7 @@ class Engine:
         if self._active.get(sequence.request.request_id) is sequence:
             del self._active[sequence.request.request_id]
         sequence.cache = None
+        self._kv_bytes = sum(_cache_bytes(s.cache) for s in self._active.values())  # fresh before the caller hears
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request.request_id)
         sequence.send(terminal)
