@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
@@ -132,6 +133,11 @@ def build_parser() -> Parser:
         help="cap the context (prompt + generated tokens) below the model's own",
     )
     jobs.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file, or the template itself) instead of the model's own",
+    )
+    jobs.add_argument(
         "--drain-timeout",
         type=bounded(float, 0.0),
         default=30.0,
@@ -186,6 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "--allow-unauthenticated)",
             EXIT_USAGE,
         )
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     sock = bind(args.host, args.port)  # before the heavy imports below: a taken port fails in well under a second
     # Until serve() installs its drain, a stop signal (nothing runs yet) simply ends the process with success.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -203,6 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         max_context=args.max_context,
+        chat_template=chat_template,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
         unclaimed_job_timeout_s=args.unclaimed_job_timeout,
@@ -214,6 +222,22 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     serve(settings, sock)
     return 0
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself; checked to be valid Jinja before anything loads."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    try:
+        template = path.read_text(encoding="utf-8") if path.is_file() else value
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read --chat-template {value}: {exc}", EXIT_USAGE)
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        fail(f"--chat-template is not a valid Jinja template (line {exc.lineno}: {exc.message})", EXIT_USAGE)
+    return template
 
 
 def run_generate(args: argparse.Namespace) -> int:

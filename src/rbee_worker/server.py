@@ -12,11 +12,15 @@ from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from rbee_worker import __version__
+from rbee_worker.api.metrics import Metrics, metrics_router
 from rbee_worker.api.middleware import AuthAndCorrelation
 from rbee_worker.api.native import WorkerState, native_router
+from rbee_worker.api.openai import ApiError, openai_router
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.errors import RegistrationError
@@ -43,6 +47,7 @@ class ServeSettings:
     max_batch: int
     max_queue: int
     max_context: int | None
+    chat_template: str | None
     drain_timeout_s: float
     stall_timeout_s: float
     unclaimed_job_timeout_s: float
@@ -51,6 +56,36 @@ class ServeSettings:
     heartbeat_url: str | None
     heartbeat_interval_s: float
     api_token: str | None  # LLORCH_API_TOKEN: when set, every route but GET /health needs it
+
+
+def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> FastAPI:
+    app = FastAPI(
+        title="rbee-worker",
+        version=__version__,
+        description="LLM inference worker: the rbee native API and an OpenAI-compatible API on one engine.",
+    )
+    app.include_router(native_router(state))
+    app.include_router(openai_router(state))
+    app.include_router(metrics_router(metrics))
+    app.add_middleware(AuthAndCorrelation, token=api_token)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        """The pydantic-validated routes (the OpenAI API) answer 400 in OpenAI's error shape, not FastAPI's 422."""
+        return validation_error(exc).response()
+
+    return app
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """Every problem of the body in one message, the first one's field as `param`."""
+    problems, params = [], []
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"] if part != "body")
+        params.append(location or None)
+        message = str(error["msg"]).removeprefix("Value error, ")
+        problems.append(f"{location}: {message}" if location else message)
+    return ApiError(400, "; ".join(problems) or "invalid request body", param=params[0] if params else None)
 
 
 class _Server(uvicorn.Server):
@@ -73,12 +108,15 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
     port = sock.getsockname()[1]
     worker_id = settings.worker_id or f"{socket.gethostname()}-{port}"
     progress = LoadProgress()
+    metrics = Metrics()
     engine = Engine(
-        lambda: load_model(settings.model, settings.placement, progress, settings.max_context),
+        lambda: load_model(settings.model, settings.placement, progress, settings.max_context, settings.chat_template),
         deterministic=settings.deterministic,
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,
+        observer=metrics,
     )
+    metrics.watch(engine)
     state = WorkerState(
         engine=engine,
         worker_id=worker_id,
@@ -87,9 +125,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         stall_timeout_s=settings.stall_timeout_s,
         unclaimed_job_timeout_s=settings.unclaimed_job_timeout_s,
     )
-    app = FastAPI(title="rbee-worker", version=__version__)
-    app.include_router(native_router(state))
-    app.add_middleware(AuthAndCorrelation, token=settings.api_token)
+    app = build_app(state, metrics, settings.api_token)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )

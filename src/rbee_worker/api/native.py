@@ -9,6 +9,7 @@ runs model code: the engine's thread does, and this module only talks to it thro
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -50,6 +51,7 @@ class WorkerState:
     unclaimed_job_timeout_s: float = 60.0  # a job API job whose stream nobody opens is cancelled after this
     request_shutdown: Callable[[], None] = lambda: None  # POST /shutdown; the server sets it
     draining: bool = False
+    started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time: /v1/models' `created`
     jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end
     open_streams: int = 0  # SSE job streams being written
 

@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.sampling import Sampler, random_seed
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
 from rbee_worker.models.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,30 @@ Sink = Callable[[Event], None]
 
 class RequestError(ValueError):
     """A request the engine refuses before generating (the message says why)."""
+
+
+class EngineObserver(Protocol):
+    """Told about every request's timing on the engine thread (the worker's metrics); must be quick."""
+
+    def first_token(self, seconds: float) -> None:
+        """From submission to the first sampled token."""
+
+    def next_token(self, seconds: float) -> None:
+        """Between two sampled tokens of one request (the end-of-sequence token included)."""
+
+    def finished(self, request: Request, terminal: End | Error, seconds: float) -> None:
+        """The request ended, `seconds` after its submission."""
+
+
+class _NoObserver:
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def next_token(self, seconds: float) -> None:
+        pass
+
+    def finished(self, request: Request, terminal: End | Error, seconds: float) -> None:
+        pass
 
 
 class DuplicateRequest(RuntimeError):
@@ -62,6 +87,7 @@ class _Sequence:
     output_ids: list[int] = field(default_factory=list)
     pieces: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     cancelled: bool = False
 
     def send(self, event: Event) -> None:
@@ -89,11 +115,13 @@ class Engine:
         deterministic: bool = False,
         max_batch: int = 16,
         max_queue: int = 64,
+        observer: EngineObserver | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be at least 1 and max_queue at least 0")
         self.deterministic = deterministic
         self.max_batch, self.max_queue = max_batch, max_queue
+        self._observer = observer or _NoObserver()
         self._load = load
         self._loaded: LoadedModel | None = None
         self._load_error: BaseException | None = None
@@ -129,17 +157,32 @@ class Engine:
 
     # -- the caller's side (any thread) ------------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> tuple[int, ...]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """Token ids of a raw prompt, exactly as the model's tokenizer makes them (BOS as its settings say)."""
-        return tuple(self.loaded.tokenizer(text)["input_ids"])
+        return tuple(self.loaded.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text the model's chat template renders, ending with the assistant turn's header."""
-        return self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template renders (transformers' apply_chat_template), by default ending
+        with the assistant turn's header. Raises ValueError when the model has no template, or a template error."""
+        return self.loaded.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> tuple[int, ...]:
+    def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
         # The template writes BOS and the other special tokens itself, so none are added again.
-        return tuple(self.loaded.tokenizer(self.chat_prompt(messages), add_special_tokens=False)["input_ids"])
+        prompt = self.chat_prompt(messages, add_generation_prompt)
+        return tuple(self.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def detokenize(self, token_ids: tuple[int, ...]) -> str:
+        return self.loaded.tokenizer.decode(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (a partial UTF-8 character decodes to U+FFFD)."""
+        return self.loaded.tokenizer.decode([token_id])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.loaded.tokenizer)
 
     def validate(self, request: Request) -> None:
         """Raise RequestError for a request that cannot run on this model."""
@@ -268,6 +311,15 @@ class Engine:
             return 0.0
         return max(0.0, time.monotonic() - self._last_progress)
 
+    def kv_cache_usage(self) -> float:
+        """KV cache in use as a fraction of what max_batch requests at the full context would hold; 0 before the
+        model is loaded."""
+        if not self.is_loaded:
+            return 0.0
+        info = self.loaded.info
+        budget = self.max_batch * info.context_length * kv_bytes_per_token(self.loaded.model.config, info.dtype)
+        return self._kv_bytes / budget if budget else 0.0
+
     def memory_bytes(self) -> int:
         """Measured device memory in use: weights plus the KV caches of the active requests."""
         info = self.loaded.info
@@ -326,6 +378,7 @@ class Engine:
         try:
             logits = self._forward(sequence)
             token = sequence.sampler(logits, sequence.output_ids)
+            logprob = None if sequence.request.logprobs is None else _logprob(logits, token, sequence.request.logprobs)
         except torch.OutOfMemoryError:
             self._fail(
                 sequence, ErrorCode.VRAM_OOM, "out of device memory during generation; retry with a shorter request"
@@ -335,7 +388,7 @@ class Engine:
             log.exception("inference failed for request %s", sequence.request.request_id)
             self._fail(sequence, ErrorCode.INFERENCE_FAILED, f"inference failed: {exc}")
             return
-        self._accept(sequence, token)
+        self._accept(sequence, token, logprob)
 
     def _forward(self, sequence: _Sequence) -> torch.Tensor:
         """Logits for the next token: a prefill over the whole prompt first, then one token at a time."""
@@ -350,22 +403,29 @@ class Engine:
         )
         return output.logits[0, -1]
 
-    def _accept(self, sequence: _Sequence, token: int) -> None:
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.perf_counter()
+    def _accept(self, sequence: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        now = time.perf_counter()
+        if sequence.last_token_at is None:
+            sequence.first_token_at = now
+            self._observer.first_token(now - sequence.submitted_at)
+        else:
+            self._observer.next_token(now - sequence.last_token_at)
+        sequence.last_token_at = now
         if token in self._eos:
             self._finish(sequence, StopReason.EOS)
             return
         sequence.output_ids.append(token)
         text = sequence.detokenizer.add_token(token)
-        self._emit_piece(sequence, text, (token,))
+        self._emit_piece(sequence, text, (token,), () if logprob is None else (logprob,))
         if sequence.detokenizer.stop_matched is not None:
             self._finish(sequence, StopReason.STOP_SEQUENCE)
         elif len(sequence.output_ids) >= sequence.request.max_tokens:
             self._finish(sequence, StopReason.MAX_TOKENS)
 
-    def _emit_piece(self, sequence: _Sequence, text: str, token_ids: tuple[int, ...]) -> None:
-        sequence.send(Token(sequence.request.request_id, text, token_ids, sequence.pieces))
+    def _emit_piece(
+        self, sequence: _Sequence, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> None:
+        sequence.send(Token(sequence.request.request_id, text, token_ids, sequence.pieces, logprobs))
         sequence.pieces += 1
 
     def _finish(self, sequence: _Sequence, reason: StopReason) -> None:
@@ -400,6 +460,7 @@ class Engine:
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request.request_id)
         sequence.send(terminal)
+        self._observer.finished(sequence.request, terminal, time.perf_counter() - sequence.submitted_at)
         _log_finished(sequence.request, terminal)
 
 
@@ -423,6 +484,22 @@ def _log_finished(request: Request, terminal: End | Error) -> None:
         "stop_reason": terminal.stop_reason.value,
     }
     log.info("job finished", extra={"fields": fields})
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability and the `top` most likely, from the raw logits (as vLLM's default)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+    pairs = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), pairs)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values that one token of context takes over all layers, from the model's config."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
 def _cache_bytes(cache: DynamicCache | None) -> int:

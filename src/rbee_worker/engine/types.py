@@ -33,6 +33,16 @@ class Request:
     stop: tuple[str, ...] = ()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     correlation_id: str | None = None  # the caller's trace id, carried into the request's log line
+    logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probabilities from the model's distribution for one position (before temperature and penalties)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely (token id, logprob) pairs, most likely first
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class Token:
     text: str
     token_ids: tuple[int, ...]
     index: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per id of token_ids, when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,16 @@ def is_gguf(path: Path) -> bool:
 
 
 def load_model(
-    spec: str, placement: Placement, progress: LoadProgress | None = None, max_context: int | None = None
+    spec: str,
+    placement: Placement,
+    progress: LoadProgress | None = None,
+    max_context: int | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message.
 
-    `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory).
+    `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory);
+    `chat_template` (Jinja text) replaces the model's own.
     """
     import transformers
 
@@ -92,6 +97,8 @@ def load_model(
         raise ModelLoadError(
             f"--max-context {max_context} exceeds the context of {path.name} ({context} tokens); pass at most {context}"
         )
+    if chat_template is not None:
+        loaded.tokenizer.chat_template = chat_template
     info = dataclasses.replace(
         loaded.info, context_length=max_context or context, load_seconds=time.perf_counter() - started
     )

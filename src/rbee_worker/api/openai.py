@@ -1,0 +1,408 @@
+"""The OpenAI-compatible API (CONTRACT.md §4): /v1/models, /v1/completions, /v1/chat/completions, /tokenize and
+/detokenize, on the same engine as the native API.
+
+Bodies are validated by the pydantic models of openai_schema.py; every error has OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}` (see `openai_error` and the validation handler in server.py).
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+
+from rbee_worker.api.native import SSE_HEADERS, WorkerState
+from rbee_worker.api.openai_schema import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    GenerationFields,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from rbee_worker.engine.engine import DuplicateRequest, EngineBusy
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
+from rbee_worker.engine.types import Request as EngineRequest
+
+FINISH_REASONS = {StopReason.EOS: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.MAX_TOKENS: "length"}
+# JSON has no -inf; a token the model rules out entirely gets this floor, as in vLLM.
+LOGPROB_FLOOR = -9999.0
+DISCONNECT_POLL_S = 0.25
+ERRORS = {
+    400: {"model": ErrorResponse, "description": "invalid request"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    503: {"model": ErrorResponse, "description": "loading, draining, or all slots busy (see Retry-After)"},
+}
+GENERATION_ERRORS = {**ERRORS, 500: {"model": ErrorResponse, "description": "inference failed"}}
+
+
+class ApiError(Exception):
+    """An error to answer in OpenAI's shape."""
+
+    def __init__(
+        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, retry_after: int | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return ApiError(status, message, param=param).response()
+
+
+@dataclass
+class Generation:
+    """What a finished or streaming job has produced so far, for one response or chunk."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    end: End | None = None
+    offset: int = 0  # where `text` starts in the whole completion (characters): for text_offset
+
+
+def openai_router(state: WorkerState) -> APIRouter:
+    router = APIRouter(tags=["OpenAI-compatible"])
+
+    @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models() -> ModelList | JSONResponse:
+        if not state.engine.is_loaded:
+            return ApiError(503, "the model is still loading", kind="server_error", retry_after=1).response()
+        info = state.engine.loaded.info
+        card = ModelCard(id=state.model_ref, created=state.started_at, max_model_len=info.context_length)
+        return ModelList(data=[card])
+
+    @router.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=with_stream(GENERATION_ERRORS, "CompletionResponse chunks, then data: [DONE]"),
+    )
+    async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        try:
+            check_model(state, body.model)
+            engine = state.engine
+            if isinstance(body.prompt, str):
+                prompt_ids = engine.tokenize(body.prompt)
+            elif isinstance(body.prompt[0], str):
+                prompt_ids = engine.tokenize(body.prompt[0])
+            else:
+                prompt_ids = check_token_ids(state, body.prompt, "prompt")
+            request = engine_request(state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl")
+            events = submit(state, request)
+        except ApiError as exc:
+            return exc.response()
+        base = {"id": request.request_id, "created": int(time.time()), "model": state.model_ref}
+
+        def chunk(piece: Generation, finish: str | None) -> dict:
+            logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
+            choice = {"index": 0, "text": "".join(piece.text), "logprobs": logprobs, "finish_reason": finish}
+            return {**base, "object": "text_completion", "choices": [choice]}
+
+        if body.stream:
+            return sse_response(stream_chunks(events, chunk, body.include_usage, first=None))
+        generation = await collect(events, http_request)
+        if isinstance(generation, ApiError):
+            return generation.response()
+        end = generation.end
+        return JSONResponse({**chunk(generation, FINISH_REASONS[end.stop_reason]), "usage": usage(end)})
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=with_stream(GENERATION_ERRORS, "chat.completion.chunk objects, then data: [DONE]"),
+    )
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
+        try:
+            check_model(state, body.model)
+            prompt_ids = render_chat(state, body.messages)
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            request = engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl")
+            events = submit(state, request)
+        except ApiError as exc:
+            return exc.response()
+        base = {"id": request.request_id, "created": int(time.time()), "model": state.model_ref}
+
+        def logprobs_of(piece: Generation) -> dict | None:
+            if top is None:
+                return None
+            return {"content": [chat_logprob(state, lp) for lp in piece.logprobs]}
+
+        if body.stream:
+
+            def chunk(piece: Generation, finish: str | None) -> dict:
+                delta = {"content": "".join(piece.text)} if piece.text else {}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs_of(piece), "finish_reason": finish}
+                return {**base, "object": "chat.completion.chunk", "choices": [choice]}
+
+            opening = {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+            }
+            return sse_response(stream_chunks(events, chunk, body.include_usage, first=opening))
+        generation = await collect(events, http_request)
+        if isinstance(generation, ApiError):
+            return generation.response()
+        end = generation.end
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(generation.text)},
+            "logprobs": logprobs_of(generation),
+            "finish_reason": FINISH_REASONS[end.stop_reason],
+        }
+        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage(end)})
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse | JSONResponse:
+        try:
+            check_model(state, body.model)
+            if body.messages is not None:
+                tokens = render_chat(state, body.messages, body.add_generation_prompt)
+            else:
+                tokens = state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        except ApiError as exc:
+            return exc.response()
+        context = state.engine.loaded.info.context_length
+        return TokenizeResponse(count=len(tokens), max_model_len=context, tokens=list(tokens))
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse | JSONResponse:
+        try:
+            check_model(state, body.model)
+            ids = check_token_ids(state, body.tokens, "tokens", allow_empty=True)
+        except ApiError as exc:
+            return exc.response()
+        return DetokenizeResponse(prompt=state.engine.detokenize(ids))
+
+    return router
+
+
+def with_stream(responses: dict, description: str) -> dict:
+    """The 200 response of a generation route: JSON, or with `stream: true` an SSE stream."""
+    return {
+        **responses,
+        200: {"content": {"text/event-stream": {"schema": {"type": "string", "description": description}}}},
+    }
+
+
+def check_model(state: WorkerState, model: str | None) -> None:
+    """The model must be loaded, and a named model must be this one."""
+    if state.draining:
+        raise ApiError(503, "the worker is shutting down and takes no new requests", kind="server_error")
+    if not state.engine.is_loaded:
+        raise ApiError(503, "the model is still loading; retry shortly", kind="server_error", retry_after=1)
+    if model is not None and model != state.model_ref:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist: this worker serves `{state.model_ref}` (see GET /v1/models)",
+            kind="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_empty: bool = False) -> tuple[int, ...]:
+    vocab = state.engine.vocab_size
+    if not ids and not allow_empty:
+        raise ApiError(400, f"{param} must not be empty", param=param)
+    if bad := [i for i in ids if not 0 <= i < vocab]:
+        raise ApiError(400, f"token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})", param=param)
+    return tuple(ids)
+
+
+def render_chat(state: WorkerState, messages: list, add_generation_prompt: bool = True) -> tuple[int, ...]:
+    try:
+        return state.engine.tokenize_chat(
+            [{"role": m.role, "content": m.text} for m in messages], add_generation_prompt=add_generation_prompt
+        )
+    except (TemplateError, ValueError) as exc:  # e.g. a template that demands alternating user/assistant turns
+        raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+
+
+def engine_request(
+    state: WorkerState,
+    body: GenerationFields,
+    prompt_ids: tuple[int, ...],
+    max_tokens: int | None,
+    logprobs: int | None,
+    http_request: Request,
+    prefix: str,
+) -> EngineRequest:
+    context = state.engine.loaded.info.context_length
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    room = context - len(prompt_ids)
+    if room < (max_tokens or 1):
+        asked = f"{len(prompt_ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context} tokens; the request needs more ({asked}). "
+            "Shorten the prompt or lower max_tokens.",
+            param="max_tokens" if max_tokens else "messages",
+        )
+    return EngineRequest(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens or room,
+        sampling=SamplingParams(
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+        ),
+        seed=body.seed,
+        stop=body.stops,
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        correlation_id=getattr(http_request.state, "correlation_id", None),
+        logprobs=logprobs,
+    )
+
+
+def submit(state: WorkerState, request: EngineRequest) -> AsyncIterator[Event]:
+    try:
+        return state.engine.astream(request)
+    except EngineBusy as busy:
+        raise ApiError(503, str(busy), kind="server_error", code="ALL_SLOTS_BUSY", retry_after=1) from busy
+    except DuplicateRequest as exc:  # request ids are fresh UUIDs: only a bug gets here
+        raise ApiError(500, str(exc), kind="server_error") from exc
+
+
+def terminal_error(event: Error | End) -> ApiError:
+    """The error for a job that ended without a result (failed, or cancelled by a shutdown)."""
+    if isinstance(event, End):  # cancelled
+        return ApiError(503, "the request was cancelled (the worker is shutting down)", kind="server_error",
+                        code=ErrorCode.CANCELLED.value)  # fmt: skip
+    status = 400 if event.code is ErrorCode.INVALID_REQUEST else 500
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return ApiError(status, event.message, kind=kind, code=event.code.value)
+
+
+async def collect(events: AsyncIterator[Event], http_request: Request) -> Generation | ApiError:
+    """Run a job to its end for a non-streaming response; a client that leaves meanwhile cancels it."""
+
+    async def run() -> Generation | ApiError:
+        generation = Generation()
+        async for event in events:
+            if isinstance(event, Token):
+                generation.text.append(event.text)
+                generation.logprobs.extend(event.logprobs)
+            elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
+                generation.end = event
+            elif isinstance(event, End | Error):
+                return terminal_error(event)
+        return generation
+
+    job = asyncio.ensure_future(run())
+    try:
+        while not job.done():
+            await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
+            if not job.done() and await http_request.is_disconnected():
+                job.cancel()
+        return await job
+    finally:
+        if not job.done():
+            job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        await events.aclose()  # cancels the job in the engine if it has not ended
+
+
+async def stream_chunks(
+    events: AsyncIterator[Event],
+    chunk: Callable[[Generation, str | None], dict],
+    include_usage: bool,
+    first: dict | None,
+) -> AsyncIterator[str]:
+    """SSE chunks: one per piece of text (with the logprobs of its tokens), the finish reason, the usage if asked
+    for, then [DONE]. Leaving early (the client disconnected) cancels the job."""
+
+    def line(payload: dict) -> str:
+        if include_usage:  # then every chunk has `usage`: null but the last one, as OpenAI's
+            payload = {**payload, "usage": payload.get("usage")}
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    try:
+        if first is not None:
+            yield line(first)
+        pending = Generation()  # tokens whose text is held back wait for the next piece
+        async for event in events:
+            if isinstance(event, Token):
+                pending.text.append(event.text)
+                pending.logprobs.extend(event.logprobs)
+                if text := "".join(pending.text):
+                    yield line(chunk(pending, None))
+                    pending = Generation(offset=pending.offset + len(text))
+            elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
+                yield line(chunk(pending, FINISH_REASONS[event.stop_reason]))
+                if include_usage:
+                    yield line({**chunk(Generation(), None), "choices": [], "usage": usage(event)})
+            elif isinstance(event, End | Error):
+                yield f"data: {json.dumps(terminal_error(event).body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()
+
+
+def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def usage(end: End) -> dict:
+    return {
+        "prompt_tokens": end.prompt_tokens,
+        "completion_tokens": end.tokens_out,
+        "total_tokens": end.prompt_tokens + end.tokens_out,
+    }
+
+
+def floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def chat_logprob(state: WorkerState, lp: TokenLogprob) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = state.engine.token_text(token_id)
+        return {"token": text, "logprob": floor(logprob), "bytes": list(text.encode())}
+
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+
+
+def completion_logprobs(state: WorkerState, piece: Generation) -> dict:
+    """The legacy completions format: parallel lists, one entry per token."""
+    text_of = state.engine.token_text
+    tokens = [text_of(lp.token_id) for lp in piece.logprobs]
+    offsets, offset = [], piece.offset
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [floor(lp.logprob) for lp in piece.logprobs],
+        "top_logprobs": [{text_of(i): floor(v) for i, v in lp.top} for lp in piece.logprobs],
+        "text_offset": offsets,
+    }

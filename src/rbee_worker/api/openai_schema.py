@@ -1,0 +1,263 @@
+"""Request and response bodies of the OpenAI-compatible API (CONTRACT.md §4), as pydantic models: FastAPI validates
+requests with them and publishes them in the OpenAPI document.
+
+Unknown request fields are ignored, as OpenAI-compatible servers do; fields that ask for something this worker does
+not do (n > 1, tools, logit_bias, JSON mode, echo, suffix) are refused with a message that says so, never ignored.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SEED_LIMIT = 2**64
+MAX_STOP = 4
+MAX_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); omitted: that model")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="the same seed replays the same sample")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    n: int = Field(1, description="must be 1")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    # Extensions that vLLM and llama.cpp's server accept too.
+    top_k: int = Field(0, ge=0, description="extension: 0 is off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="extension")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported: send one request per completion")
+        return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> None:
+        if bias:
+            raise ValueError("logit_bias is not supported")
+        return None
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())  # the validator made it a list
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI's")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="also return the top N alternatives")
+    echo: bool = Field(False, description="not supported: must be false")
+    best_of: int | None = Field(None, description="must be 1 if given")
+    suffix: str | None = Field(None, description="not supported: must be empty")
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "ChatCompletionRequest":
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError('only response_format {"type": "text"} is supported')
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int  # generated tokens, the end-of-sequence token excluded
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each streamed chunk (finish_reason null until the last one)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rbee"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """Either `prompt` (raw text) or `messages` (rendered with the model's chat template first)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

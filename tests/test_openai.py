@@ -1,0 +1,268 @@
+"""The OpenAI-compatible API through the official `openai` client, against a real worker process with the demo model
+(with LLORCH_API_TOKEN set: the client's api_key is the bearer token); /tokenize, /detokenize and /metrics over HTTP."""
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving import DEMO_NAME, EOS_PROMPT, PROMPT, Worker, launch
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token-0123456789"
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    worker = launch(tmp_path_factory.mktemp("openai"), env={"LLORCH_API_TOKEN": TOKEN})
+    try:
+        worker.wait_healthy()
+        yield worker
+    finally:
+        assert worker.stop() == 0, worker.stderr()
+
+
+@pytest.fixture(scope="module")
+def client(worker: Worker) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(worker: Worker) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=worker.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        yield client
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    [model] = client.models.list().data
+    assert model.id == DEMO_NAME and model.object == "model"
+    assert model.model_extra["max_model_len"] == 8192
+
+
+def test_chat_streamed_equals_non_streamed_with_usage(client: openai.OpenAI, http: httpx.Client) -> None:
+    full = client.chat.completions.create(model=DEMO_NAME, messages=QUESTION, temperature=0, max_tokens=40)
+    [choice] = full.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    prompt_tokens = http.post("/tokenize", json={"messages": QUESTION}).json()["count"]
+    assert full.usage.prompt_tokens == prompt_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert choice.finish_reason == ("length" if full.usage.completion_tokens == 40 else "stop")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=DEMO_NAME,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
+    assert all(c.usage is None for c in content_chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == choice.message.content
+    assert [c.choices[0].finish_reason for c in content_chunks][-1] == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+def test_completions_streamed_equals_non_streamed_and_finish_reasons(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=24)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+    streamed = list(
+        client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=24, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    # The demo model ends this chat turn by itself: EOS is "stop", and it is not counted.
+    ended = client.completions.create(model=DEMO_NAME, prompt=EOS_PROMPT, temperature=0, max_tokens=64)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 64
+    assert "<|im_end|>" not in ended.choices[0].text
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=48).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    for stream in (False, True):
+        response = client.completions.create(
+            model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=48, stop=[stop], stream=stream
+        )
+        chunks = list(response) if stream else [response]
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == full[: full.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_replays_a_sample(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return (
+            client.chat.completions.create(
+                model=DEMO_NAME, messages=QUESTION, temperature=1.0, top_p=0.95, seed=seed, max_tokens=24
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert sample(7) == sample(7)
+    assert len({sample(7), sample(8), sample(9)}) > 1  # the seed really picks the sample
+
+
+def test_logprobs_shapes(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=DEMO_NAME, messages=QUESTION, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        values = [top.logprob for top in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+    completion = client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=8, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 8
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(8)]
+    assert chat.choices[0].logprobs is not None
+    plain = client.chat.completions.create(model=DEMO_NAME, messages=QUESTION, temperature=0, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"temperature": 3}, "temperature"),
+        ({"n": 2}, "n=1"),
+        ({"max_tokens": 100_000}, "maximum context length"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ],
+)
+def test_bad_parameters_raise_bad_request(client: openai.OpenAI, params: dict, fragment: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{"model": DEMO_NAME, "messages": QUESTION, "max_tokens": 4, **params})
+    error = caught.value.body
+    assert fragment in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+
+
+def test_wrong_token_is_401(worker: Worker) -> None:
+    wrong = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="not-the-token", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_tokenize_detokenize_round_trip(http: httpx.Client) -> None:
+    for text in ("Hello world", "naïve café, Grüße", "日本語のテキスト", "emoji 🎉👩‍👩‍👧 mixed ünïcödé"):
+        tokens = http.post("/tokenize", json={"prompt": text}).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 8192
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    bad = http.post("/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+
+
+def test_streaming_client_that_leaves_cancels_its_job(client: openai.OpenAI, http: httpx.Client) -> None:
+    stream = client.chat.completions.create(
+        model=DEMO_NAME, messages=[{"role": "user", "content": "Tell a very long story."}], max_tokens=2000, stream=True
+    )
+    for _, _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    left = time.monotonic()
+    while http.get("/health").json()["state"] != "idle":
+        assert time.monotonic() - left < 1.0
+        time.sleep(0.02)
+
+
+def scrape(http: httpx.Client) -> dict[str, float]:
+    """Every sample of /metrics by name and labels."""
+    text = http.get("/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" in sample.labels:
+                labels += f",le={sample.labels['le']}"
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_metrics_move_by_exactly_the_requests_made(client: openai.OpenAI, http: httpx.Client) -> None:
+    while http.get("/health").json()["state"] != "idle":  # jobs of earlier tests still winding down
+        time.sleep(0.05)
+    before = scrape(http)
+    lengths = [3, 5, 7]
+    responses = [
+        client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=n) for n in lengths
+    ]
+    ended = client.completions.create(model=DEMO_NAME, prompt=EOS_PROMPT, temperature=0, max_tokens=64)
+    after = scrape(http)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    prompt_tokens = sum(r.usage.prompt_tokens for r in [*responses, ended])
+    generated = sum(lengths) + ended.usage.completion_tokens
+    assert moved("rbee:prompt_tokens_total{}") == prompt_tokens
+    assert moved("rbee:generation_tokens_total{}") == generated
+    assert moved("rbee:request_success_total{stop_reason=MAX_TOKENS}") == 3
+    assert moved("rbee:request_success_total{stop_reason=EOS}") == 1
+    assert moved("rbee:time_to_first_token_seconds_count{}") == 4
+    assert moved("rbee:e2e_request_latency_seconds_count{}") == 4
+    # One interval per sampled token after the first; the EOS token is sampled too.
+    intervals = sum(n - 1 for n in lengths) + ended.usage.completion_tokens
+    assert moved("rbee:inter_token_latency_seconds_count{}") == intervals
+    assert after["rbee:num_requests_running{}"] == 0 and after["rbee:num_requests_waiting{}"] == 0
+    assert after["rbee:kv_cache_usage_perc{}"] == 0
+    ttft_count = after["rbee:time_to_first_token_seconds_count{}"]
+    assert after["rbee:time_to_first_token_seconds_bucket{,le=+Inf}"] == ttft_count
+
+
+def test_chat_template_matches_transformers(demo_gguf: Path, demo_hf_dir: Path) -> None:
+    """The prompt our loaders' tokenizers render equals transformers' apply_chat_template on the same model: from
+    the HF directory, and from the GGUF file against transformers' own GGUF tokenizer."""
+    from transformers import AutoTokenizer
+
+    from rbee_worker.models.gguf_format import read_gguf
+    from rbee_worker.models.gguf_tokenizer import build_tokenizer
+    from rbee_worker.models.hf import load_tokenizer
+
+    conversations = [
+        QUESTION,
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Again, with ünïcödé 🎉"},
+        ],
+    ]
+    pairs = [
+        (load_tokenizer(demo_hf_dir), AutoTokenizer.from_pretrained(demo_hf_dir)),
+        (
+            build_tokenizer(read_gguf(demo_gguf).metadata),
+            AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name),
+        ),
+    ]
+    for ours, theirs in pairs:
+        for messages in conversations:
+            for generation_prompt in (True, False):
+                assert ours.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, tokenize=False
+                ) == theirs.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
