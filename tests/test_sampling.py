@@ -401,3 +401,20 @@ def test_unusable_logits_are_rejected(logits: torch.Tensor, params: SamplingPara
         sampler(logits, [])
     with pytest.raises(ValueError):
         sampler.probabilities(logits, [])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=5e-324),  # 0 in float32: greedy below 1e-5, as vLLM
+        SamplingParams(temperature=1e-5, top_p=0.5),  # the smallest sampled temperature: no overflow
+        SamplingParams(repetition_penalty=1e-300),  # 0 in float32; positive logits / it overflow
+        SamplingParams(temperature=0.01, repetition_penalty=1e-30, frequency_penalty=-2.0),
+    ],
+)
+def test_extreme_valid_parameters_still_sample_the_top_token(params: SamplingParams) -> None:
+    """Values the API accepts must never make the distribution invalid; at these extremes it collapses onto the
+    largest (penalized) logit."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 0.0, 2.5])
+    sampler = Sampler(params, seed=3, prompt_ids=[1])
+    assert sampler(logits, []) == 1

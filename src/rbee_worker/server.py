@@ -9,12 +9,15 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rbee_worker import __version__
 from rbee_worker.api.metrics import Metrics, metrics_router
@@ -74,6 +77,30 @@ def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> Fa
         """The pydantic-validated routes (the OpenAI API) answer 400 in OpenAI's error shape, not FastAPI's 422."""
         return validation_error(exc).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Errors of the framework itself (no such route, wrong method, a body it cannot read) as JSON in the shape
+        both APIs share: `error.code` and `error.message` (native), plus `type` and `param` (OpenAI)."""
+        try:
+            code = HTTPStatus(exc.status_code).name
+        except ValueError:
+            code = str(exc.status_code)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = {"message": str(exc.detail), "type": kind, "param": None, "code": code}
+        return JSONResponse({"error": error}, status_code=exc.status_code, headers=exc.headers)
+
+    def openapi() -> dict:
+        """FastAPI's document without the 422 responses it adds by default: this app answers those with 400."""
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for operation in (op for path in document["paths"].values() for op in path.values()):
+                operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                document.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

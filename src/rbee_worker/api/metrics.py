@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from rbee_worker.api.native_schema import UNAUTHORIZED
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.types import End, Error, Request
 
@@ -89,7 +90,10 @@ def metrics_router(metrics: Metrics) -> APIRouter:
     @router.get(
         "/metrics",
         response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+        responses={
+            **UNAUTHORIZED,
+            200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}},
+        },
         summary="Prometheus metrics",
     )
     async def scrape() -> Response:

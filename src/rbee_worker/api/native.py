@@ -18,6 +18,20 @@ from datetime import UTC, datetime
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rbee_worker.api.native_schema import (
+    CANCEL_BODY,
+    EXECUTE_BODY,
+    INFERENCE_BODY,
+    JOB_ERRORS,
+    UNAUTHORIZED,
+    FieldErrors,
+    Health,
+    JobCreated,
+    NativeError,
+    Ready,
+    ShutdownAccepted,
+    sse_response_doc,
+)
 from rbee_worker.api.validation import FieldError, JobRequest, errors_body, parse_job_request
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
 from rbee_worker.engine.sampling import SamplingParams
@@ -76,7 +90,12 @@ class WorkerState:
 def native_router(state: WorkerState) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.get(
+        "/health",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "loading, draining or unhealthy"}},
+        summary="Health (never needs auth)",
+    )
     async def health() -> JSONResponse:
         engine, condition = state.engine, state.condition()
         if not engine.is_loaded:
@@ -98,7 +117,7 @@ def native_router(state: WorkerState) -> APIRouter:
             )
         return JSONResponse(body, status_code=200 if condition == "healthy" else 503)
 
-    @router.get("/v1/ready")
+    @router.get("/v1/ready", response_model=Ready, responses=UNAUTHORIZED)
     async def ready() -> JSONResponse:
         condition = state.condition()
         if condition == "loading":
@@ -108,16 +127,25 @@ def native_router(state: WorkerState) -> APIRouter:
         named = {"healthy": state.activity(), "draining": "draining", "unhealthy": "error"}[condition]
         return JSONResponse({"ready": condition == "healthy", "state": named, "model_loaded": state.engine.is_loaded})
 
-    @router.get(PROGRESS_URL)
+    @router.get(
+        PROGRESS_URL,
+        response_class=StreamingResponse,
+        responses={**UNAUTHORIZED, 200: sse_response_doc("loading events, then ready (or error), then [DONE]")},
+    )
     async def loading_progress() -> StreamingResponse:
         return StreamingResponse(progress_events(state), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    @router.post("/shutdown")
+    @router.post("/shutdown", status_code=202, response_model=ShutdownAccepted, responses=UNAUTHORIZED)
     async def shutdown() -> JSONResponse:
         state.request_shutdown()
         return JSONResponse({"status": "draining"}, status_code=202)
 
-    @router.post("/execute")
+    @router.post(
+        "/execute",
+        response_class=StreamingResponse,
+        responses={**JOB_ERRORS, 200: sse_response_doc("started, token*, then one end or error event")},
+        openapi_extra=EXECUTE_BODY,
+    )
     async def execute(request: Request) -> Response:
         job = await admit(state, request, require_job_id=True)
         if isinstance(job, Response):
@@ -126,7 +154,7 @@ def native_router(state: WorkerState) -> APIRouter:
             sse(state, job, done_marker=False), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
-    @router.post("/v1/inference")
+    @router.post("/v1/inference", response_model=JobCreated, responses=JOB_ERRORS, openapi_extra=INFERENCE_BODY)
     async def create_job(request: Request) -> Response:
         job = await admit(state, request, require_job_id=False)
         if isinstance(job, Response):
@@ -135,7 +163,16 @@ def native_router(state: WorkerState) -> APIRouter:
         asyncio.get_running_loop().call_later(state.unclaimed_job_timeout_s, expire_unclaimed, state, job)
         return JSONResponse({"job_id": job.job_id, "sse_url": f"/v1/inference/{job.job_id}/stream"})
 
-    @router.get("/v1/inference/{job_id}/stream")
+    @router.get(
+        "/v1/inference/{job_id}/stream",
+        response_class=StreamingResponse,
+        responses={
+            **UNAUTHORIZED,
+            200: sse_response_doc("the job's events as on /execute, then [DONE]"),
+            404: {"model": NativeError, "description": "no such job (or already read)"},
+            409: {"model": NativeError, "description": "the job already has a reader"},
+        },
+    )
     async def job_stream(job_id: str) -> Response:
         job = state.jobs.get(job_id)
         if job is None:
@@ -145,12 +182,18 @@ def native_router(state: WorkerState) -> APIRouter:
         job.reader_attached = True
         return StreamingResponse(sse(state, job, done_marker=True), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    @router.delete("/v1/inference/{job_id}")
+    @router.delete("/v1/inference/{job_id}", status_code=204, response_class=Response, responses=UNAUTHORIZED)
     async def delete_job(job_id: str) -> Response:
         state.engine.cancel(job_id)  # idempotent: unknown or finished ids are ignored
         return Response(status_code=204)
 
-    @router.post("/cancel")
+    @router.post(
+        "/cancel",
+        status_code=202,
+        response_class=Response,
+        responses={**UNAUTHORIZED, 400: {"model": FieldErrors, "description": "no job_id"}},
+        openapi_extra=CANCEL_BODY,
+    )
     async def cancel(request: Request) -> Response:
         try:
             job_id = json.loads(await request.body()).get("job_id")

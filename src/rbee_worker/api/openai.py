@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from rbee_worker.api.native import SSE_HEADERS, WorkerState
+from rbee_worker.api.native_schema import SSE_EVENT, UNAUTHORIZED
 from rbee_worker.api.openai_schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -42,6 +43,7 @@ FINISH_REASONS = {StopReason.EOS: "stop", StopReason.STOP_SEQUENCE: "stop", Stop
 LOGPROB_FLOOR = -9999.0
 DISCONNECT_POLL_S = 0.25
 ERRORS = {
+    **UNAUTHORIZED,
     400: {"model": ErrorResponse, "description": "invalid request"},
     404: {"model": ErrorResponse, "description": "unknown model"},
     503: {"model": ErrorResponse, "description": "loading, draining, or all slots busy (see Retry-After)"},
@@ -85,7 +87,7 @@ class Generation:
 def openai_router(state: WorkerState) -> APIRouter:
     router = APIRouter(tags=["OpenAI-compatible"])
 
-    @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    @router.get("/v1/models", response_model=ModelList, responses={**UNAUTHORIZED, 503: ERRORS[503]})
     async def models() -> ModelList | JSONResponse:
         if not state.engine.is_loaded:
             return ApiError(503, "the model is still loading", kind="server_error", retry_after=1).response()
@@ -204,7 +206,7 @@ def with_stream(responses: dict, description: str) -> dict:
     """The 200 response of a generation route: JSON, or with `stream: true` an SSE stream."""
     return {
         **responses,
-        200: {"content": {"text/event-stream": {"schema": {"type": "string", "description": description}}}},
+        200: {"content": {"text/event-stream": {"schema": {**SSE_EVENT, "description": description}}}},
     }
 
 

@@ -122,7 +122,14 @@ def _string_list(raw: object) -> list[object]:
 
 # --- checks: typed value -> None, or (constraint, message tail) ------------------------------------------------------
 
-_Check = Callable[[Any], tuple[str, str] | None]
+
+@dataclass(frozen=True)
+class _Check:
+    test: Callable[[Any], tuple[str, str] | None]
+    schema: dict[str, Any]  # the rule in JSON Schema terms (as far as it can say it), for the OpenAPI document
+
+    def __call__(self, value: Any) -> tuple[str, str] | None:
+        return self.test(value)
 
 
 def _range(lo: float, hi: float, constraint: str, *, lo_open: bool = False) -> _Check:
@@ -133,7 +140,7 @@ def _range(lo: float, hi: float, constraint: str, *, lo_open: bool = False) -> _
             return constraint, f"must be at most {hi}"
         return None
 
-    return check
+    return _Check(check, {"exclusiveMinimum" if lo_open else "minimum": lo, "maximum": hi})
 
 
 def _length(lo: int, hi: int) -> _Check:
@@ -143,11 +150,10 @@ def _length(lo: int, hi: int) -> _Check:
             return f"length({lo}..={hi})", f"must be {limit} (it has {len(v)})"
         return None
 
-    return check
+    return _Check(check, {"minLength": lo, "maxLength": hi})
 
 
-def _non_empty(v: str) -> tuple[str, str] | None:
-    return ("non_empty", "must not be empty") if v == "" else None
+_non_empty = _Check(lambda v: ("non_empty", "must not be empty") if v == "" else None, {"minLength": 1})
 
 
 def _max_utf8_bytes(hi: int) -> _Check:
@@ -155,14 +161,15 @@ def _max_utf8_bytes(hi: int) -> _Check:
         n = len(v.encode("utf-8"))
         return (f"max_length({hi})", f"must be at most {hi} UTF-8 bytes (it has {n})") if n > hi else None
 
-    return check
+    # JSON Schema counts characters: at most `hi` bytes implies at most `hi` characters, the rest is said in words.
+    return _Check(check, {"maxLength": hi, "description": f"at most {hi} UTF-8 bytes"})
 
 
 def _max_count(hi: int) -> _Check:
     def check(v: list[object]) -> tuple[str, str] | None:
         return (f"max_count({hi})", f"must have at most {hi} entries (it has {len(v)})") if len(v) > hi else None
 
-    return check
+    return _Check(check, {"maxItems": hi})
 
 
 # --- the table: CONTRACT.md §2, in its order (which is the order errors are reported in) ----------------------------
@@ -193,6 +200,36 @@ _FIELDS: tuple[_Field, ...] = (
     _Field("seed", _integer, None, (_range(0, 2**64 - 1, "range(0..=18446744073709551615)"),)),
     _Field("stop", _string_list, (), (_max_count(4),), _string, (_non_empty, _max_utf8_bytes(100))),
 )
+
+
+_JSON_TYPES = {_string: "string", _integer: "integer", _number: "number", _string_list: "array"}
+
+
+def job_request_schema(*, require_job_id: bool) -> dict[str, Any]:
+    """The JSON Schema of a job request, built from the table above; null is accepted wherever a field may be left
+    out. Rules beyond JSON Schema (the context length, a unique job_id) are left to the descriptions."""
+
+    def schema_of(parse: Callable[[object], Any], checks: tuple[_Check, ...]) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": _JSON_TYPES[parse]}
+        for check in checks:
+            schema |= check.schema
+        return schema
+
+    properties: dict[str, Any] = {}
+    required = ["job_id", "prompt"] if require_job_id else ["prompt"]
+    for f in _FIELDS:
+        schema = schema_of(f.parse, f.checks)
+        if f.item_parse is not None:
+            schema["items"] = schema_of(f.item_parse, f.item_checks)
+        if f.default is not _REQUIRED and f.default is not None:
+            schema["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+        if f.name not in required:
+            schema["type"] = [schema["type"], "null"]
+        properties[f.name] = schema
+    properties["prompt"]["description"] = "prompt tokens + max_tokens must fit the model's context"
+    properties["job_id"]["description"] = "unique among running jobs (409 otherwise)"
+    properties["max_tokens"]["description"] = "left out: min(2048, context - prompt tokens)"
+    return {"type": "object", "properties": properties, "required": required}
 
 
 # --- rendering `value` ------------------------------------------------------------------------------------------------

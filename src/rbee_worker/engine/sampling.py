@@ -5,9 +5,11 @@ Order of operations for each generated token (the order of Hugging Face transfor
 1. Penalties on the raw logits: repetition penalty (CTRL / HF style, over the distinct prompt *and* generated ids;
    positive logits are divided by the penalty, negative ones multiplied), then presence / frequency penalties
    (OpenAI style, over generated ids only: ``logit -= presence * (count > 0) + frequency * count``).
-2. Greedy shortcut when ``temperature == 0``: argmax of the penalized logits, ties to the lowest id. The filters
-   below are skipped (they always keep the argmax anyway) and no random number is consumed.
-3. Temperature: ``logits / temperature``.
+2. Greedy shortcut when ``temperature < 1e-5`` (0 in the API; vLLM's threshold, below which the division overflows):
+   argmax of the penalized logits, ties to the lowest id. The filters below are skipped (they always keep the argmax
+   anyway) and no random number is consumed.
+3. Temperature: ``logits / temperature``, after shifting the largest logit to 0 (softmax does not change, and a
+   small temperature cannot overflow).
 4. Top-k: keep the tokens whose logit is >= the k-th largest one, so ties with the k-th token are all kept (more than
    k tokens can survive), as in ``TopKLogitsWarper``.
 5. Top-p: keep the smallest set of most likely tokens whose probability adds up to >= top_p, as in
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 _SEED_LIMIT = 2**64  # the API accepts seeds in 0..2**64-1
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+_FLOAT32 = torch.finfo(torch.float32)
 # Top-p sorts candidate sets up to this size outright; larger ones first locate the cut with a histogram.
 _TOP_P_SORT_ALL = 4096
 # That histogram spans this many nats below the top logit: a token further down has a probability < e^-32 (1e-14) of
@@ -71,7 +75,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
 
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def random_seed() -> int:
@@ -175,11 +179,14 @@ class Sampler:
         if self._repeated is not None:
             ids = self._repeated.distinct
             picked = scores[ids]
-            scores[ids] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+            # A penalty below float32's smallest normal number would be 0 in float32: 0 / 0 is NaN.
+            penalty = max(p.repetition_penalty, _FLOAT32.tiny)
+            scores[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
         if self._generated is not None:
             ids = self._generated.distinct
             scores[ids] -= p.frequency_penalty * self._generated.counts[ids] + p.presence_penalty
-        return scores
+        # Extreme penalties can overflow to infinity: the largest float keeps the order and a valid softmax.
+        return scores.clamp_(max=_FLOAT32.max)
 
     def _record(self, output_ids: Sequence[int], vocab_size: int) -> None:
         if self._vocab_size is None:
@@ -207,7 +214,7 @@ class Sampler:
         scales to their sum anyway, and only `probabilities` needs them normalized."""
         p = self.params
         if p.temperature != 1.0:
-            scores.div_(p.temperature)
+            scores.sub_(scores.max()).div_(p.temperature)
         if 0 < p.top_k < scores.numel():
             ids = _at_least_kth(scores, p.top_k)
             logits = scores[ids]
