@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import cli
 from prometheus_client.parser import text_string_to_metric_families
 from serving import DEMO_NAME, EOS_PROMPT, PROMPT, Worker, launch
 
@@ -266,3 +267,58 @@ def test_chat_template_matches_transformers(demo_gguf: Path, demo_hf_dir: Path) 
                 assert ours.apply_chat_template(
                     messages, add_generation_prompt=generation_prompt, tokenize=False
                 ) == theirs.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def test_max_completion_tokens_and_unknown_fields(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=DEMO_NAME,
+        messages=[{"role": "user", "content": "Tell a long story about the sea."}],
+        temperature=0,
+        max_completion_tokens=5,
+        extra_body={"some_future_field": 1},  # ignored, as OpenAI-compatible servers do
+    )
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+
+
+def test_non_streaming_client_that_leaves_cancels_its_job(worker: Worker, http: httpx.Client) -> None:
+    body = {"model": DEMO_NAME, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=1.5)
+    left = time.monotonic()
+    while http.get("/health").json()["state"] != "idle":
+        assert time.monotonic() - left < 1.5  # noticed within the 0.25 s poll, then cancelled between two steps
+        time.sleep(0.02)
+
+
+def test_tokenized_chat_equals_transformers_on_the_gguf(http: httpx.Client, demo_gguf: Path) -> None:
+    """What the worker feeds the model for a chat equals transformers' own GGUF tokenizer + apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    rendered = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = reference(rendered, add_special_tokens=False)["input_ids"]
+    assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == expected
+
+
+def test_chat_template_override(tmp_path: Path) -> None:
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    template += "{% if add_generation_prompt %}[assistant] {% endif %}"
+    worker = launch(tmp_path, "--chat-template", template)
+    try:
+        worker.wait_healthy()
+        with httpx.Client(base_url=worker.url, timeout=60) as http:
+            tokens = http.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
+            text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert text == "[user] Name three colors.\n[assistant] "
+    finally:
+        assert worker.stop() == 0, worker.stderr()
+
+
+def test_invalid_chat_template_is_refused_at_start(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    result = cli("serve", "--chat-template", str(broken), "--port", "0", timeout=60)
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: --chat-template is not a valid Jinja template"), line
