@@ -2,9 +2,8 @@
 
     PYTHONPATH=src python bench/cuda_check.py --tokenizer DIR [--shape llama-3.2-1b] [--out bench/results]
 
-The tokenizer is the demo model's (its vocabulary padded with placeholder tokens up to the shape's vocab size, so
-every id the random model draws can be decoded). The model is written as safetensors and loaded through rbee-worker's
-own loader, exactly as `--model DIR` would, then generates greedily through the engine.
+The model (bench/shapes.py) is written as safetensors and loaded through rbee-worker's own loader, exactly as
+`--model DIR` would, then generates greedily through the engine.
 """
 
 import argparse
@@ -16,67 +15,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from shapes import SHAPES, write_model
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Request, Token
 from rbee_worker.models.loader import load_model
-
-SHAPES = {
-    "llama-3.2-1b": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=131072,
-        tie_word_embeddings=True,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "llama-3.1-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-}
-
-
-def write_model(shape: str, tokenizer_dir: Path, target: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(**SHAPES[shape], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    tokenizer.add_tokens([f"<placeholder_{i}>" for i in range(config.vocab_size - len(tokenizer))])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    del model
-    torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -110,7 +110,7 @@ def test_parse_device_conflicts(device: str | None, backend: str | None, cuda_de
 
 def test_resolve_dtype_auto_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     # `auto` reads only the device type (and on CUDA whether it has bf16), so any device can be named here.
-    assert resolve_dtype("auto", CPU) is CPU_AUTO_DTYPE is torch.float16
+    assert resolve_dtype("auto", CPU) is CPU_AUTO_DTYPE is torch.bfloat16
     assert resolve_dtype(None, CPU) is CPU_AUTO_DTYPE
     assert resolve_dtype("auto", torch.device("mps")) is torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)

@@ -1,17 +1,19 @@
 """`rbee-worker serve` under load, against real worker processes: 16 concurrent streaming clients (with a client that
 never reads beside them), and a soak of 500 jobs plus 200 cancelled ones that must not grow resident memory."""
 
+import json
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from serving import PROMPT, Stream, Worker, execute, launch, read_rest, sse_events, take_tokens
+from serving import PROMPT, Worker, execute, launch, read_rest, sse_events, take_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +30,12 @@ SOAK_JOBS = 500
 SOAK_CANCELLED = 200
 WARM_UP_JOBS = 30
 RSS_GROWTH_LIMIT = 50 * 2**20
+# Batched and single matrix products round differently, and the CPU default is bfloat16, whose logits keep 8
+# significant bits: at magnitudes 16..32 one step is 0.125 (exact ties are common). A greedy choice may therefore
+# flip only where the solo run's top two candidates were within a few such steps (in log-probability); a mix-up of
+# requests or a wrong cache row would diverge at ordinary gaps of several nats. Seen here: 6 of 16 differed, at gaps
+# 0, 0, 0.125, 0.125, 0.125 and 0.25.
+NEAR_TIE = 0.5
 
 
 @pytest.fixture(scope="module", params=["--deterministic", "default"])
@@ -54,20 +62,47 @@ def stalled_reader(worker: Worker, job_id: str) -> socket.socket:
     return sock
 
 
-def test_concurrent_clients_get_their_solo_outputs(worker: Worker) -> None:
-    """16 clients stream at once, beside one that never reads: each gets exactly the greedy text it gets alone,
-    and the jobs really overlap."""
-    with httpx.Client(base_url=worker.url, timeout=120) as http:
-        solo = [execute(http, prompt=p, max_tokens=TOKENS, temperature=0) for p in PROMPTS]
-    assert len({s.text for s in solo}) == CLIENTS  # distinct prompts, distinct answers: a mix-up would show
+@dataclass
+class Completion:
+    """A streamed greedy /v1/completions: its tokens, their top-2 log-probabilities, and when chunks arrived."""
 
-    streams: dict[int, Stream] = {}
+    tokens: list[str]
+    top2: list[list[float]]
+    finish_reason: str
+    times: list[float]
+
+
+def complete(http: httpx.Client, prompt: str) -> Completion:
+    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "logprobs": 2, "stream": True}
+    completion = Completion([], [], "", [])
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            [choice] = json.loads(line.removeprefix("data: "))["choices"]
+            completion.times.append(time.perf_counter())
+            completion.tokens += choice["logprobs"]["tokens"]
+            completion.top2 += [sorted(top.values(), reverse=True) for top in choice["logprobs"]["top_logprobs"]]
+            completion.finish_reason = choice["finish_reason"] or completion.finish_reason
+    return completion
+
+
+def test_concurrent_clients_get_their_solo_outputs(worker: Worker) -> None:
+    """16 clients stream at once, beside one that never reads, and the jobs really overlap. With --deterministic each
+    gets exactly its greedy text of a solo run; by default (one batched forward for all) a difference may only start
+    where the solo run's top two tokens were a near tie: how many differ, and at what gap, is printed."""
+    with httpx.Client(base_url=worker.url, timeout=120) as http:
+        solo = [complete(http, p) for p in PROMPTS]
+    assert len({"".join(s.tokens) for s in solo}) == CLIENTS  # distinct prompts, distinct answers
+
+    together: dict[int, Completion] = {}
     barrier = threading.Barrier(CLIENTS)
 
     def client(i: int) -> None:
-        with httpx.Client(base_url=worker.url, timeout=120) as http:
+        with httpx.Client(base_url=worker.url, timeout=300) as http:
             barrier.wait()
-            streams[i] = execute(http, prompt=PROMPTS[i], max_tokens=TOKENS, temperature=0)
+            together[i] = complete(http, PROMPTS[i])
 
     blocked = stalled_reader(worker, "never-read-" + uuid.uuid4().hex)
     try:
@@ -75,24 +110,28 @@ def test_concurrent_clients_get_their_solo_outputs(worker: Worker) -> None:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(timeout=300)
+            thread.join(timeout=600)
     finally:
         blocked.close()
-    assert sorted(streams) == list(range(CLIENTS))
-    differ = [i for i in range(CLIENTS) if streams[i].text != solo[i].text]
-    mode = "deterministic" if "--deterministic" in worker.process.args else "default"
-    print(f"{mode} mode: {len(differ)} of {CLIENTS} concurrent outputs differ from their solo runs")
-    # Every mode is batch-invariant today (one sequence per forward), so none may differ in either mode.
-    assert not differ, [(streams[i].text, solo[i].text) for i in differ]
-    for i, stream in streams.items():
-        assert (stream.terminal["stop_reason"], stream.terminal["tokens_out"]) == (
-            solo[i].terminal["stop_reason"],
-            solo[i].terminal["tokens_out"],
-        )
-    # Overlap: every job's first token came before any job's last one (the jobs that run to max_tokens).
-    first_tokens = [s.times[1] for s in streams.values()]
-    last_tokens = [s.times[-2] for s in streams.values() if s.terminal["stop_reason"] == "MAX_TOKENS"]
-    assert len(last_tokens) >= CLIENTS // 2 and max(first_tokens) < min(last_tokens)
+    assert sorted(together) == list(range(CLIENTS))
+    gaps = {}
+    for i in range(CLIENTS):
+        ours, alone = together[i].tokens, solo[i].tokens
+        if ours != alone:
+            first = next(k for k, (a, b) in enumerate(zip(ours, alone, strict=False)) if a != b)
+            gaps[i] = alone_gap = solo[i].top2[first][0] - solo[i].top2[first][1]
+            assert alone_gap < NEAR_TIE, (i, first, ours, alone)
+        else:
+            assert together[i].finish_reason == solo[i].finish_reason
+    deterministic = "--deterministic" in worker.process.args
+    print(
+        f"{'deterministic' if deterministic else 'default'} mode: {len(gaps)} of {CLIENTS} concurrent outputs differ "
+        f"from their solo runs; top-2 logprob gaps at the first difference: {sorted(gaps.values())}"
+    )
+    if deterministic:
+        assert not gaps
+    # Overlap: every job's first chunk came before any job's last one.
+    assert max(c.times[0] for c in together.values()) < min(c.times[-1] for c in together.values())
 
 
 def rss(worker: Worker) -> int:
@@ -101,16 +140,14 @@ def rss(worker: Worker) -> int:
 
 def test_soak_memory_stays_flat(tmp_path: Path) -> None:
     """500 sequential jobs (greedy and sampled, with and without stop strings) and 200 jobs cancelled mid-stream (by
-    DELETE, POST /cancel and disconnect): resident memory grows by less than 50 MB after warm-up, and every KV cache
-    is freed."""
+    DELETE, POST /cancel and disconnect): resident memory grows by less than 50 MB after warm-up, and every KV slot
+    is given back."""
     worker = launch(tmp_path)
     worker.wait_healthy()
     try:
         with httpx.Client(base_url=worker.url, timeout=60) as http:
-            weights = http.get("/health").json()["memory_bytes"]
             for i in range(WARM_UP_JOBS):
                 execute(http, prompt=f"{PROMPT} {i}", max_tokens=4, temperature=0.8)
-            assert http.get("/health").json()["memory_bytes"] == weights
             before = rss(worker)
             started = time.monotonic()
             for i in range(SOAK_JOBS):
@@ -125,6 +162,7 @@ def test_soak_memory_stays_flat(tmp_path: Path) -> None:
                 cancel_mid_stream(http, i % 3)
             elapsed = time.monotonic() - started
             health = http.get("/health").json()
+            metrics = http.get("/metrics").text
             after = rss(worker)
         growth = after - before
         print(
@@ -132,7 +170,8 @@ def test_soak_memory_stays_flat(tmp_path: Path) -> None:
             f"{after / 2**20:.1f} MiB (growth {growth / 2**20:+.1f} MiB)"
         )
         assert growth < RSS_GROWTH_LIMIT
-        assert health["state"] == "idle" and health["memory_bytes"] == weights  # no KV cache left behind
+        assert health["state"] == "idle"
+        assert "rbee:kv_cache_usage_perc 0.0" in metrics.splitlines()  # every KV slot given back
     finally:
         assert worker.stop() == 0, worker.stderr()
 

@@ -62,7 +62,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA, float16 on MPS and on CPU (measured fastest there)",
+        help="auto: bfloat16 on CUDA and CPU (measured fastest for batches and prompts there), float16 on MPS",
     )
     group.add_argument(
         "--deterministic",
@@ -179,6 +179,10 @@ def build_parser() -> Parser:
         help="allow a non-loopback --host without LLORCH_API_TOKEN",
     )
     serve.set_defaults(run=run_serve)
+
+    from rbee_worker.benchmark.run import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

@@ -10,10 +10,12 @@ from rbee_worker.errors import DeviceError, ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Measured with bench/cpu_dtype.py on the project's 2-core x86 CPU (AVX-512 with BF16 instructions), demo model,
-# greedy decode: float16 37 tok/s, bfloat16 23, float32 13 (bench/results/cpu_dtype.json). float16's narrower range
-# can overflow in a few architectures; `--dtype bfloat16` is the fallback for those.
-CPU_AUTO_DTYPE = torch.float16
+# Measured on the project's 2-core x86 CPU (AVX-512 with BF16 instructions, no FP16 ones), demo model, 2 threads,
+# through the HTTP API (`rbee-worker bench`, bench/results/bench_demo_cpu_*): bfloat16 prefills a 512-token prompt in
+# 0.47 s and decodes 229 tok/s in all at 16 streams; float16 takes 3.2 s and 91 tok/s, because its matrix products
+# have no hardware path beyond one row. float16 decodes a single stream faster (46 vs 26 tok/s): `--dtype float16`
+# for one user at a time.
+CPU_AUTO_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)

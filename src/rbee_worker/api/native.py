@@ -225,7 +225,7 @@ async def admit(state: WorkerState, http_request: Request, *, require_job_id: bo
         await http_request.body(),
         require_job_id=require_job_id,
         count_tokens=count_tokens,
-        context_length=engine.loaded.info.context_length,
+        context_length=engine.context_length,
     )
     if not isinstance(parsed, JobRequest):
         return JSONResponse(errors_body(parsed), status_code=400)

@@ -91,8 +91,8 @@ def openai_router(state: WorkerState) -> APIRouter:
     async def models() -> ModelList | JSONResponse:
         if not state.engine.is_loaded:
             return ApiError(503, "the model is still loading", kind="server_error", retry_after=1).response()
-        info = state.engine.loaded.info
-        card = ModelCard(id=state.model_ref, created=state.started_at, max_model_len=info.context_length)
+        context = state.engine.context_length
+        card = ModelCard(id=state.model_ref, created=state.started_at, max_model_len=context)
         return ModelList(data=[card])
 
     @router.post(
@@ -187,7 +187,7 @@ def openai_router(state: WorkerState) -> APIRouter:
                 tokens = state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
         except ApiError as exc:
             return exc.response()
-        context = state.engine.loaded.info.context_length
+        context = state.engine.context_length
         return TokenizeResponse(count=len(tokens), max_model_len=context, tokens=list(tokens))
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
@@ -253,7 +253,7 @@ def engine_request(
     http_request: Request,
     prefix: str,
 ) -> EngineRequest:
-    context = state.engine.loaded.info.context_length
+    context = state.engine.context_length
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     room = context - len(prompt_ids)
@@ -282,6 +282,7 @@ def engine_request(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         correlation_id=getattr(http_request.state, "correlation_id", None),
         logprobs=logprobs,
+        ignore_eos=body.ignore_eos,
     )
 
 

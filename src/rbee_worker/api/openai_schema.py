@@ -1,8 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (CONTRACT.md §4), as pydantic models: FastAPI validates
 requests with them and publishes them in the OpenAPI document.
 
-Unknown request fields are ignored, as OpenAI-compatible servers do; fields that ask for something this worker does
-not do (n > 1, tools, logit_bias, JSON mode, echo, suffix) are refused with a message that says so, never ignored.
+Types are strict (pydantic's strict mode): `false` is not the number 0 and "1" is not 1, as JSON Schema says; an
+integer is still a valid float. Unknown request fields are ignored, as OpenAI-compatible servers do; fields that ask
+for something this worker does not do (n > 1, tools, logit_bias, JSON mode, echo, suffix) are refused with a message
+that says so, never ignored.
 """
 
 from typing import Annotated, Any, Literal
@@ -15,13 +17,15 @@ MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class GenerationFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); omitted: that model")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
@@ -39,6 +43,7 @@ class GenerationFields(BaseModel):
     top_k: int = Field(0, ge=0, description="extension: 0 is off")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="extension")
+    ignore_eos: bool = Field(False, description="extension: generate max_tokens even past end-of-sequence")
 
     @field_validator("stop")
     @classmethod
@@ -93,12 +98,14 @@ class CompletionRequest(GenerationFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -220,7 +227,7 @@ class ModelList(BaseModel):
 class TokenizeRequest(BaseModel):
     """Either `prompt` (raw text) or `messages` (rendered with the model's chat template first)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -242,7 +249,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     tokens: list[int]

@@ -1,17 +1,22 @@
-"""The engine: one scheduler thread owns the model and every KV cache; callers submit requests and receive events.
+"""The engine: one scheduler thread owns the model and the KV cache; callers submit requests and receive events.
 
-Each step of the loop is schedule -> forward -> postprocess (sample, detokenize, stop checks, emit events). Requests
-run concurrently: every active sequence advances by one forward per round, so a new request starts between two
-tokens of the others and none waits for another to finish. Each forward covers one sequence, which also makes every
-request's tokens independent of what else runs (batch invariance): `--deterministic` is therefore met by
-construction today; batching several sequences into one forward (the performance issue) will keep a batch-of-one
-path for that flag.
+Each round of the loop: admit requests and cancellations; give prefill chunks (up to `prefill_chunk` prompt tokens
+in all, oldest request first) to the sequences still reading their prompt; then one decode step for every sequence
+that has its prompt cached, batched into a single forward pass (continuous batching: a new request joins the batch
+as soon as its prompt is in, a finished or cancelled one leaves it at once). A long prompt therefore delays the
+others' next token by at most one chunk.
 
-At most `max_batch` requests advance at a time; admitted requests beyond that wait in arrival order, and at most
-`max_queue` may wait: a request beyond both limits is refused at once (EngineBusy) rather than queued without end.
+At most `max_batch` requests hold a KV slot and run; admitted requests beyond that wait in arrival order, and at
+most `max_queue` may wait: a request beyond both limits is refused at once (EngineBusy) rather than queued without
+end.
+
+`deterministic` (batch invariance): a request's tokens must not depend on what else runs. Batched matrix products
+reduce in an order that depends on the batch size, so in that mode every sequence decodes in a forward of its own,
+and prefill chunks always split a prompt at the same offsets whatever else runs.
 """
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -22,15 +27,22 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import psutil
 import torch
-from transformers import DynamicCache
 
 from rbee_worker.engine.detokenizer import Detokenizer
+from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.sampling import Sampler, random_seed
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
+from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
+
+MIN_SLOT_TOKENS = 64  # a KV slot shorter than this cannot hold a useful request
+GPU_KV_SHARE = 0.9  # of the device memory free after loading
+ACTIVATION_RESERVE_BYTES = 1 << 30  # left free on a GPU for activations and logits
+CPU_KV_SHARE = 0.5  # of the host memory available after loading
 
 Sink = Callable[[Event], None]
 
@@ -83,7 +95,8 @@ class _Sequence:
     sampler: Sampler
     detokenizer: Detokenizer
     submitted_at: float
-    cache: DynamicCache | None = None  # None until the prompt has been prefilled
+    slot: int | None = None  # its row in the KV cache, once it runs
+    cached: int = 0  # tokens whose keys and values are in its slot: the prompt first, then all but the last output
     output_ids: list[int] = field(default_factory=list)
     pieces: int = 0
     first_token_at: float | None = None
@@ -115,12 +128,15 @@ class Engine:
         deterministic: bool = False,
         max_batch: int = 16,
         max_queue: int = 64,
+        prefill_chunk: int = 512,
+        kv_cache_bytes: int | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be at least 1 and max_queue at least 0")
         self.deterministic = deterministic
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self._kv_cache_bytes = kv_cache_bytes  # None: sized from the memory left after the weights
         self._observer = observer or _NoObserver()
         self._load = load
         self._loaded: LoadedModel | None = None
@@ -132,7 +148,8 @@ class Engine:
         self._in_flight: set[str] = set()  # ids submitted and not yet ended: inbox, running and waiting requests
         self._in_flight_lock = threading.Lock()
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
-        self._kv_bytes = 0
+        self._cache: SlotCache | None = None
+        self._free_slots: list[int] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
         self._thread.start()
@@ -184,9 +201,17 @@ class Engine:
     def vocab_size(self) -> int:
         return len(self.loaded.tokenizer)
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + generated) one request may hold: the model's context, or less when the KV
+        cache slots are shorter (see SlotCache sizing)."""
+        self.loaded  # noqa: B018 -- waits for the load (and the cache) like every caller-side method
+        assert self._cache is not None
+        return self._cache.slot_len
+
     def validate(self, request: Request) -> None:
         """Raise RequestError for a request that cannot run on this model."""
-        context = self.loaded.info.context_length
+        context = self.context_length
         if not request.prompt_ids:
             raise RequestError("the prompt is empty after tokenization")
         if request.max_tokens < 1:
@@ -312,44 +337,73 @@ class Engine:
         return max(0.0, time.monotonic() - self._last_progress)
 
     def kv_cache_usage(self) -> float:
-        """KV cache in use as a fraction of what max_batch requests at the full context would hold; 0 before the
-        model is loaded."""
-        if not self.is_loaded:
+        """The share of the KV cache's token positions that running requests hold; 0 before the model is loaded."""
+        cache = self._cache
+        if cache is None:
             return 0.0
-        info = self.loaded.info
-        budget = self.max_batch * info.context_length * kv_bytes_per_token(self.loaded.model.config, info.dtype)
-        return self._kv_bytes / budget if budget else 0.0
+        used = sum(s.cached for s in list(self._active.values()))
+        return used / (cache.slots * cache.slot_len)
 
     def memory_bytes(self) -> int:
-        """Measured device memory in use: weights plus the KV caches of the active requests."""
+        """Measured device memory in use: the weights plus the KV cache (on a CPU, the part of it touched so far)."""
         info = self.loaded.info
         if info.device.type == "cuda":
             return int(torch.cuda.memory_allocated(info.device))
-        return info.weight_bytes + self._kv_bytes
+        return info.weight_bytes + (self._cache.resident_bytes if self._cache else 0)
 
     # -- the engine thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            self._loaded = self._load()
+            loaded = self._load()
+            self._cache = self._allocate_cache(loaded)
+            self._loaded = loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
             return
         finally:
             self._ready.set()
-        self._model = self._loaded.model
-        self._eos = self._loaded.info.eos_token_ids
+        self._model = loaded.model
+        self._eos = loaded.info.eos_token_ids
+        self._free_slots = list(range(self.max_batch))
         # transformers renamed forward's `past_key_values` to `cache` (5.2x); the GPU machines still run 5.17.
         parameters = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         with torch.inference_mode():
             while self._admit(block=not self._active):
-                for sequence in list(itertools.islice(self._active.values(), self.max_batch)):
-                    self._advance(sequence)
-                    self._last_progress = time.monotonic()
-                self._kv_bytes = sum(_cache_bytes(s.cache) for s in self._active.values())
+                running = list(itertools.islice(self._active.values(), self.max_batch))
+                for sequence in running:
+                    if sequence.cancelled:
+                        self._finish(sequence, StopReason.CANCELLED)
+                    elif sequence.slot is None:
+                        sequence.slot = self._free_slots.pop(self._free_slots.index(min(self._free_slots)))
+                running = [s for s in running if not s.cancelled]
+                decoding = [s for s in running if s.cached >= len(s.request.prompt_ids)]
+                self._prefill([s for s in running if s.cached < len(s.request.prompt_ids)])
+                self._decode(decoding)
+                self._last_progress = time.monotonic()
             for sequence in list(self._active.values()):
                 self._finish(sequence, StopReason.CANCELLED)
+
+    def _allocate_cache(self, loaded: LoadedModel) -> SlotCache:
+        """One KV slot of up to the model's context per running request, within the memory budget."""
+        info, config = loaded.info, loaded.model.config
+        per_token = kv_bytes_per_token(config, info.dtype)
+        budget = self._kv_cache_bytes if self._kv_cache_bytes is not None else kv_budget(info.device)
+        slot_len = min(info.context_length, budget // (self.max_batch * per_token))
+        if slot_len < MIN_SLOT_TOKENS:
+            raise ModelLoadError(
+                f"the KV cache for --max-batch {self.max_batch} does not fit in {budget / 2**30:.1f} GiB "
+                f"({per_token} bytes per token): lower --max-batch or give the cache more memory"
+            )
+        log.info(
+            "KV cache: %d slots of %d tokens, %.2f GiB",
+            self.max_batch,
+            slot_len,
+            self.max_batch * slot_len * per_token / 2**30,
+            extra={"fields": {"slots": self.max_batch, "slot_tokens": slot_len}},
+        )
+        return SlotCache(config, self.max_batch, slot_len, info.dtype, info.device)
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -364,44 +418,109 @@ class Engine:
             if item is None:
                 return False
             if isinstance(item, str):
-                # Ended here rather than at its next step: its KV cache is freed and its id can be reused at once.
+                # Ended here rather than at its next step: its KV slot is freed and its id can be reused at once.
                 if sequence := self._active.get(item):
                     self._finish(sequence, StopReason.CANCELLED)
             else:
                 self._active[item.request.request_id] = item
                 item.send(Started(item.request.request_id, len(item.request.prompt_ids), item.seed))
 
-    def _advance(self, sequence: _Sequence) -> None:
-        if sequence.cancelled:
-            self._finish(sequence, StopReason.CANCELLED)
-            return
-        try:
-            logits = self._forward(sequence)
-            token = sequence.sampler(logits, sequence.output_ids)
-            logprob = None if sequence.request.logprobs is None else _logprob(logits, token, sequence.request.logprobs)
-        except torch.OutOfMemoryError:
-            self._fail(
-                sequence, ErrorCode.VRAM_OOM, "out of device memory during generation; retry with a shorter request"
-            )
-            return
-        except Exception as exc:  # a failed forward must end this request, never the engine thread
-            log.exception("inference failed for request %s", sequence.request.request_id)
-            self._fail(sequence, ErrorCode.INFERENCE_FAILED, f"inference failed: {exc}")
-            return
-        self._accept(sequence, token, logprob)
+    def _prefill(self, sequences: list[_Sequence]) -> None:
+        """Up to `prefill_chunk` prompt tokens, oldest request first, a forward per chunk; a sequence whose prompt
+        is complete samples its first token."""
+        budget = self.prefill_chunk
+        for sequence in sequences:
+            if budget <= 0:
+                return
+            prompt = sequence.request.prompt_ids
+            # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
+            # that does not fit in what is left of the round's budget waits for the next round.
+            room = self.prefill_chunk - sequence.cached % self.prefill_chunk if self.deterministic else budget
+            start, count = sequence.cached, min(room, len(prompt) - sequence.cached)
+            if count > budget:
+                return
+            budget -= count
+            with self._failing([sequence]):
+                positions = torch.arange(start, start + count, device=self._model.device)[None]
+                self._cache.prepare(sequence.slot, positions, start + count)
+                logits = self._forward(
+                    torch.tensor([prompt[start : start + count]], device=self._model.device),
+                    positions,
+                    prefill_mask(start, count, self._loaded.info.dtype, self._model.device),
+                )
+                sequence.cached += count
+                if sequence.cached == len(prompt):
+                    self._sample(sequence, logits[0])
 
-    def _forward(self, sequence: _Sequence) -> torch.Tensor:
-        """Logits for the next token: a prefill over the whole prompt first, then one token at a time."""
-        if sequence.cache is None:
-            sequence.cache = DynamicCache(config=self._model.config)
-            ids = sequence.request.prompt_ids
+    def _decode(self, sequences: list[_Sequence]) -> None:
+        """One token for each sequence: one batched forward (a forward each in deterministic mode)."""
+        if not sequences:
+            return
+        if self.deterministic:
+            for sequence in sequences:
+                self._decode_rows([sequence])
         else:
-            ids = sequence.output_ids[-1:]
-        input_ids = torch.tensor([ids], device=self._model.device)
+            self._decode_rows(sequences)
+
+    def _decode_rows(self, sequences: list[_Sequence]) -> None:
+        """A forward over the cache rows from the lowest to the highest slot of `sequences`; rows in between that are
+        not theirs (free slots, sequences still in prefill) compute a throwaway token into the scratch position."""
+        cache, device = self._cache, self._model.device
+        first = min(s.slot for s in sequences)
+        rows = max(s.slot for s in sequences) + 1 - first
+        tokens = [0] * rows
+        positions = [cache.slot_len] * rows
+        lengths = [0] * rows
+        for s in sequences:
+            tokens[s.slot - first] = s.output_ids[-1]
+            positions[s.slot - first] = s.cached
+            lengths[s.slot - first] = s.cached + 1
+        with self._failing(sequences):
+            position_ids = torch.tensor(positions, device=device)[:, None]
+            lengths_t = torch.tensor(lengths, device=device)
+            kv_len = max(lengths)
+            cache.prepare(first, position_ids, kv_len)
+            logits = self._forward(
+                torch.tensor(tokens, device=device)[:, None],
+                position_ids,
+                decode_mask(lengths_t, kv_len, self._loaded.info.dtype),
+            )
+            for s in sequences:
+                s.cached += 1
+                self._sample(s, logits[s.slot - first])
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The model's next-token logits for each batch row: (rows, vocab)."""
         output = self._model(
-            input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_kwarg: sequence.cache}
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: self._cache},
         )
-        return output.logits[0, -1]
+        return output.logits[:, -1]
+
+    def _sample(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+        with self._failing([sequence]):
+            token = sequence.sampler(logits, sequence.output_ids)
+            top = sequence.request.logprobs
+            logprob = None if top is None else _logprob(logits, token, top)
+        if sequence.request.request_id in self._active:  # not failed just now
+            self._accept(sequence, token, logprob)
+
+    @contextlib.contextmanager
+    def _failing(self, sequences: list[_Sequence]) -> Iterator[None]:
+        """A failure inside ends these requests with an error event, never the engine thread."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            for sequence in sequences:
+                self._fail(sequence, ErrorCode.VRAM_OOM, "out of device memory during generation; retry shorter")
+        except Exception as exc:
+            log.exception("inference failed for request(s) %s", ", ".join(s.request.request_id for s in sequences))
+            for sequence in sequences:
+                self._fail(sequence, ErrorCode.INFERENCE_FAILED, f"inference failed: {exc}")
 
     def _accept(self, sequence: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
         now = time.perf_counter()
@@ -411,7 +530,7 @@ class Engine:
         else:
             self._observer.next_token(now - sequence.last_token_at)
         sequence.last_token_at = now
-        if token in self._eos:
+        if token in self._eos and not sequence.request.ignore_eos:
             self._finish(sequence, StopReason.EOS)
             return
         sequence.output_ids.append(token)
@@ -444,7 +563,7 @@ class Engine:
                 stop_sequence=sequence.detokenizer.stop_matched,
                 time_to_first_token_s=first - sequence.submitted_at,
                 decode_time_s=now - first,
-                kv_cache_bytes=_cache_bytes(sequence.cache),
+                kv_cache_bytes=sequence.cached * self._cache.bytes_per_token,
             ),
         )
 
@@ -455,8 +574,10 @@ class Engine:
         """Free the request's slot and KV cache, then send its one terminal event."""
         if self._active.get(sequence.request.request_id) is sequence:
             del self._active[sequence.request.request_id]
-        sequence.cache = None
-        self._kv_bytes = sum(_cache_bytes(s.cache) for s in self._active.values())  # fresh before the caller hears
+        if sequence.slot is not None:
+            self._free_slots.append(sequence.slot)
+            sequence.slot = None
+            sequence.cached = 0
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request.request_id)
         sequence.send(terminal)
@@ -486,28 +607,18 @@ def _log_finished(request: Request, terminal: End | Error) -> None:
     log.info("job finished", extra={"fields": fields})
 
 
+def kv_budget(device: torch.device) -> int:
+    """Bytes the KV cache may take by default: on a GPU, what is free once the weights are in, less room for
+    activations; elsewhere half the memory available, touched only as contexts grow (see SlotCache)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_SHARE) - ACTIVATION_RESERVE_BYTES
+    return int(psutil.virtual_memory().available * CPU_KV_SHARE)
+
+
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The chosen token's log-probability and the `top` most likely, from the raw logits (as vLLM's default)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
     pairs = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token, float(logprobs[token]), pairs)
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of keys and values that one token of context takes over all layers, from the model's config."""
-    text = config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize
-
-
-def _cache_bytes(cache: DynamicCache | None) -> int:
-    if cache is None:
-        return 0
-    return sum(
-        tensor.nbytes
-        for layer in cache.layers
-        for tensor in (layer.keys, layer.values)
-        if isinstance(tensor, torch.Tensor)
-    )

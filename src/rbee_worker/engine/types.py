@@ -34,6 +34,7 @@ class Request:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     correlation_id: str | None = None  # the caller's trace id, carried into the request's log line
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
 
 @dataclass(frozen=True)

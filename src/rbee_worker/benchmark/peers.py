@@ -1,0 +1,161 @@
+"""The peers a user would pick instead of rbee-worker, measured on the same weights, dtype and prompt ids.
+
+Run as `python -m rbee_worker.benchmark.peers PEER --model M --device D --dtype T --spec JSON`: one peer per fresh
+process (torch's CPU kernels run at half speed on a second thread of a process that already used them, see
+engine.py), printing one JSON object of results on its last stdout line.
+
+- transformers: `generate` on the model rbee-worker's loader builds (the same weights and dtype), greedy, batch 1:
+  time to first token and decode tokens/s; and one bare forward over the long prompt (the TTFT floor).
+- transformers-static: the same with `cache_implementation="static"` (transformers then compiles the forward).
+- transformers-cb: transformers' continuous batching (`generate_batch`), aggregate tokens/s at each concurrency.
+- llama.cpp: llama-cpp-python on the same GGUF file (an optional extra), batch 1.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+PEERS = ("transformers", "transformers-static", "transformers-cb", "llama.cpp")
+
+
+def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from rbee_worker.devices import resolve_placement
+    from rbee_worker.models.loader import load_model
+
+    model = load_model(args.model, resolve_placement(args.device, args.dtype)).model
+    device = model.device
+
+    class Clock(BaseStreamer):
+        """generate calls put() with the prompt, then once per new token (batch 1)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def generate(prompt: list[int], tokens: int) -> tuple[float, float]:
+        """(seconds to the first token, decode tokens/s after it)."""
+        clock = Clock()
+        started = time.perf_counter()
+        kwargs = {"cache_implementation": "static"} if static else {}
+        model.generate(
+            torch.tensor([prompt], device=device),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            streamer=clock,
+            **kwargs,
+        )
+        first, last = clock.times[1], clock.times[-1]
+        return first - started, (tokens - 1) / (last - first)
+
+    def bare_forward() -> float:
+        ids = torch.tensor([spec["long_prompt"]], device=device)
+        sync(device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        sync(device)
+        return time.perf_counter() - started
+
+    generate(spec["short_prompt"], 8)  # warm-up (and compilation, for the static cache)
+    bare_forward()
+    decode = [generate(spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]
+    ttft = [generate(spec["long_prompt"], 2)[0] for _ in range(spec["repeats"])]
+    forward = [bare_forward() for _ in range(spec["repeats"])]
+    return {
+        "decode_tok_s": statistics.median(decode),
+        "ttft_s": statistics.median(ttft),
+        "bare_forward_s": statistics.median(forward),
+        "weight_bytes": sum(p.nbytes for p in model.parameters()),
+        "runs": {"decode_tok_s": decode, "ttft_s": ttft, "bare_forward_s": forward},
+    }
+
+
+def run_transformers_cb(args: argparse.Namespace, spec: dict) -> dict:
+    from transformers import GenerationConfig
+
+    from rbee_worker.devices import resolve_placement
+    from rbee_worker.models.loader import load_model
+
+    model = load_model(args.model, resolve_placement(args.device, args.dtype)).model
+    # An end-of-sequence id that never comes: every sequence generates gen_tokens, as rbee-worker's ignore_eos.
+    config = GenerationConfig(max_new_tokens=spec["gen_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=0)
+    aggregate = {}
+    for concurrency in spec["concurrency"]:
+        prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
+        model.generate_batch(inputs=prompts[:1], generation_config=config)  # warm-up
+        started = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(o.generated_tokens) for o in outputs.values())
+        aggregate[str(concurrency)] = tokens / elapsed
+    return {"aggregate_tok_s": aggregate}
+
+
+def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
+    from llama_cpp import Llama  # the optional `bench` extra
+
+    threads = spec.get("threads") or None
+    llm = Llama(model_path=args.model, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    eos = llm.token_eos()
+
+    def generate(prompt: list[int], tokens: int) -> tuple[float, float]:
+        started = time.perf_counter()
+        times = []
+        for _ in llm.create_completion(prompt, max_tokens=tokens, temperature=0.0, stream=True, logit_bias={eos: -1e9}):
+            times.append(time.perf_counter())
+        llm.reset()
+        return times[0] - started, (len(times) - 1) / (times[-1] - times[0])
+
+    generate(spec["short_prompt"], 8)
+    decode = [generate(spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]
+    ttft = [generate(spec["long_prompt"], 2)[0] for _ in range(spec["repeats"])]
+    return {
+        "decode_tok_s": statistics.median(decode),
+        "ttft_s": statistics.median(ttft),
+        "runs": {"decode_tok_s": decode, "ttft_s": ttft},
+    }
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("peer", choices=PEERS)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--spec", required=True, help="JSON: prompts, gen_tokens, repeats, concurrency")
+    args = parser.parse_args()
+    spec = json.loads(args.spec)
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    if args.peer == "transformers-cb":
+        result = run_transformers_cb(args, spec)
+    elif args.peer == "llama.cpp":
+        result = run_llama_cpp(args, spec)
+    else:
+        result = run_transformers(args, spec, static=args.peer == "transformers-static")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""`rbee-worker bench`: rbee-worker measured through its real HTTP API, and the peers in the same run.
+
+The worker runs as its own `serve` process on 127.0.0.1; every request goes through POST /v1/completions (streamed,
+greedy, prompt given as token ids, `ignore_eos` so each stream generates exactly --gen-tokens). Figures:
+
+- time to first token for a --prompt-tokens prompt (and prefill tokens/s from it), one request at a time;
+- single-stream decode tokens/s: (tokens - 1) / (last token time - first token time);
+- aggregate tokens/s at each --concurrency: all generated tokens / (last end - first start).
+
+Each is the median of --repeats runs. Peers (peers.py) run one per fresh process on the same weights, dtype and
+prompt ids. Results go to bench/results/bench_<machine>.json and .md, with the machine and card named.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rbee_worker.benchmark.peers import PEERS
+
+TEXT = (
+    "The history of the river town begins with the old stone bridge, built by farmers who needed a way to bring "
+    "their grain to the market on the other bank. Over the centuries the town grew around the bridge: mills, "
+    "workshops, a church, a school, and later a railway station that connected it to the capital. "
+)
+
+
+@dataclass
+class Stream:
+    started: float
+    first: float
+    ended: float
+    tokens: int
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+async def stream_completion(client: httpx.AsyncClient, prompt: list[int], tokens: int) -> Stream:
+    body = {
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first = ended = 0.0
+    count = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                ended = time.perf_counter()
+                first = first or ended
+    return Stream(started, first, ended, count)
+
+
+async def measure_worker(url: str, spec: dict) -> dict:
+    repeats, gen = spec["repeats"], spec["gen_tokens"]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await stream_completion(client, spec["short_prompt"], 8)  # warm-up
+        await stream_completion(client, spec["long_prompt"], 2)
+        ttft = []
+        for _ in range(repeats):
+            s = await stream_completion(client, spec["long_prompt"], 2)
+            ttft.append(s.first - s.started)
+        decode = []
+        for _ in range(repeats):
+            s = await stream_completion(client, spec["short_prompt"], gen)
+            decode.append((s.tokens - 1) / (s.ended - s.first))
+        aggregate: dict[str, float] = {}
+        for concurrency in spec["concurrency"]:
+            runs = []
+            for _ in range(repeats):
+                prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
+                streams = await asyncio.gather(*(stream_completion(client, p, gen) for p in prompts))
+                wall = max(s.ended for s in streams) - min(s.started for s in streams)
+                runs.append(sum(s.tokens for s in streams) / wall)
+            aggregate[str(concurrency)] = statistics.median(runs)
+    return {
+        "ttft_s": statistics.median(ttft),
+        "prefill_tok_s": len(spec["long_prompt"]) / statistics.median(ttft),
+        "decode_tok_s": statistics.median(decode),
+        "aggregate_tok_s": aggregate,
+        "runs": {"ttft_s": ttft, "decode_tok_s": decode},
+    }
+
+
+def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+    from rbee_worker.listener import bind
+
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    command = [
+        sys.executable, "-m", "rbee_worker", "serve", "--model", args.model, "--port", str(port),
+        "--device", args.device, "--dtype", args.dtype, "--max-batch", str(max(args.concurrency)),
+        "--log-level", "warning", *args.worker_flag,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"error: the worker exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit("error: the worker did not become healthy within 600 s")
+
+
+def run_peer(peer: str, args: argparse.Namespace, spec: dict) -> dict:
+    command = [
+        sys.executable, "-m", "rbee_worker.benchmark.peers", peer, "--model", args.model_path,
+        "--device", args.device, "--dtype", args.dtype, "--spec", json.dumps(spec),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = result.stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"error": tail[0][:300]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def build_spec(args: argparse.Namespace) -> dict:
+    from rbee_worker.models.loader import resolve_model_path
+
+    args.model_path = str(resolve_model_path(args.model))
+    tokenizer = tokenizer_of(Path(args.model_path))
+    ids = tokenizer(TEXT * (args.prompt_tokens // 40 + 2), add_special_tokens=False)["input_ids"]
+    return {
+        "long_prompt": ids[: args.prompt_tokens],
+        "short_prompt": ids[:16],
+        # One different last token per concurrent stream, so no two streams are the same request.
+        "distinct_ids": ids[16 : 16 + max(args.concurrency)],
+        "gen_tokens": args.gen_tokens,
+        "repeats": args.repeats,
+        "concurrency": args.concurrency,
+        "threads": args.threads,
+    }
+
+
+def tokenizer_of(model: Path) -> Any:  # a transformers tokenizer
+    from rbee_worker.models.gguf_format import read_gguf
+    from rbee_worker.models.gguf_tokenizer import build_tokenizer
+    from rbee_worker.models.hf import load_tokenizer
+
+    return load_tokenizer(model) if model.is_dir() else build_tokenizer(read_gguf(model).metadata)
+
+
+def markdown(result: dict) -> str:
+    rows = [("rbee-worker", result["rbee-worker"])] + [(p, r) for p, r in result["peers"].items()]
+    concurrency = [str(c) for c in result["spec"]["concurrency"]]
+    head = ["system", "TTFT s", "prefill tok/s", "decode tok/s", *(f"agg@{c}" for c in concurrency)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in rows:
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error']} |")
+            continue
+        ttft = r.get("ttft_s")
+        cells = [
+            name,
+            f"{ttft:.3f}" if ttft else "",
+            f"{result['spec']['prompt_tokens'] / ttft:.0f}" if ttft else "",
+            f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "",
+            *(f"{r.get('aggregate_tok_s', {}).get(c, 0):.0f}" if r.get("aggregate_tok_s") else "" for c in concurrency),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def read_bandwidth(device: str) -> float:
+    """Bytes/s the GPU reads, from summing a 4 GiB tensor (median of 5): the batch-1 decode ceiling is this divided
+    by the weight bytes."""
+    import torch
+
+    data = torch.ones(2**30, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        data.sum()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    del data
+    torch.cuda.empty_cache()
+    return 2**32 / statistics.median(times[1:])
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = build_spec(args)
+    result: dict = {"machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype}
+    if args.device.startswith("cuda"):
+        result["read_bandwidth_gb_s"] = read_bandwidth(args.device) / 1e9
+    with tempfile.TemporaryDirectory() as scratch:
+        process, url = start_worker(args, Path(scratch) / "worker.log")
+        try:
+            result["rbee-worker"] = asyncio.run(measure_worker(url, spec))
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    result["peers"] = {peer: run_peer(peer, args, spec) for peer in args.peers}
+    worker, peers = result["rbee-worker"], result["peers"]
+    if "bare_forward_s" in peers.get("transformers", {}):
+        result["ttft_over_bare_forward"] = worker["ttft_s"] / peers["transformers"]["bare_forward_s"]
+        if "read_bandwidth_gb_s" in result:
+            ceiling = result["read_bandwidth_gb_s"] * 1e9 / peers["transformers"]["weight_bytes"]
+            result["batch1_ceiling_tok_s"] = ceiling
+            result["decode_ratio_vs_ceiling"] = worker["decode_tok_s"] / ceiling
+    for peer, figures in peers.items():
+        if "decode_tok_s" in figures:
+            result[f"decode_ratio_vs_{peer}"] = worker["decode_tok_s"] / figures["decode_tok_s"]
+    result["spec"] = {k: v for k, v in spec.items() if not k.endswith(("prompt", "ids"))}
+    result["spec"]["prompt_tokens"] = len(spec["long_prompt"])
+    table = markdown(result)
+    print(table)
+    for key, value in result.items():
+        if "ratio" in key or key.endswith("bare_forward"):
+            print(f"{key}: {value:.2f}")
+    name = (result["machine"].get("gpu") or result["machine"]["cpu"]).replace(" ", "_")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}_{name}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="measure rbee-worker through its HTTP API against the peers")
+    bench.add_argument("--model", default="demo")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--gen-tokens", type=int, default=128)
+    bench.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 16, 64])
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
+    bench.add_argument("--peers", type=lambda s: [p for p in s.split(",") if p], default=["transformers"],
+                       help=f"comma-separated, from {', '.join(PEERS)}")  # fmt: skip
+    bench.add_argument("--worker-flag", action="append", default=[], help="extra flag for `serve` (repeatable)")
+    bench.add_argument("--out", default="bench/results")
+    bench.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    bench.set_defaults(run=main, log_format=None)
