@@ -1,6 +1,7 @@
 """Helpers for tests that run `rbee-worker serve` as a real process: launching it, reading its SSE streams, and a
 real HTTP server that plays the pool manager and records what the worker sends."""
 
+import contextlib
 import json
 import os
 import signal
@@ -94,6 +95,18 @@ def launch(log_dir: Path, *flags: str, port: int | None = None, env: dict[str, s
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     return Worker(process, port, stderr_path)
+
+
+@contextlib.contextmanager
+def running(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Worker]:
+    """A healthy worker for the block; it must then exit 0 on SIGTERM."""
+    worker = launch(log_dir, *flags, env=env)
+    try:
+        worker.wait_healthy()
+        yield worker
+    finally:
+        code = worker.stop()
+    assert code == 0, f"exit code {code} after SIGTERM:\n{worker.stderr()}"
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serving import LONG, PROMPT, Manager, Stream, Worker, execute, launch, read_rest, sse_events, take_tokens
+from serving import LONG, PROMPT, Manager, Stream, Worker, execute, launch, read_rest, running, sse_events, take_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ LONG_PROMPT = "Once upon a time, in a small village by the sea, there lived an o
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """One worker with small limits, shared by the tests below that leave it idle."""
-    worker = launch(
+    with running(
         tmp_path_factory.mktemp("tuned"),
         "--max-batch", "2",
         "--max-queue", "1",
@@ -35,12 +35,8 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
         "--unclaimed-job-timeout", str(UNCLAIMED_S),
         "--max-context", str(MAX_CONTEXT),
         "--log-format", "json",
-    )  # fmt: skip
-    try:
-        worker.wait_healthy()
+    ) as worker:  # fmt: skip
         yield worker
-    finally:
-        assert worker.stop() == 0, worker.stderr()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from serving import PROMPT, Worker, execute, launch, read_rest, sse_events, take_tokens
+from serving import PROMPT, Worker, execute, launch, read_rest, running, sse_events, take_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,8 @@ NEAR_TIE = 0.5
 def worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     flags = [request.param] if request.param.startswith("--") else []
     # Room for the 16 clients and the one that never reads: none of them waits in the queue.
-    worker = launch(tmp_path_factory.mktemp("load"), "--max-batch", "32", *flags)
-    try:
-        worker.wait_healthy()
+    with running(tmp_path_factory.mktemp("load"), "--max-batch", "32", *flags) as worker:
         yield worker
-    finally:
-        assert worker.stop() == 0, worker.stderr()
 
 
 def stalled_reader(worker: Worker, job_id: str) -> socket.socket:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from conftest import cli
 from prometheus_client.parser import text_string_to_metric_families
-from serving import DEMO_NAME, EOS_PROMPT, PROMPT, Worker, launch
+from serving import DEMO_NAME, EOS_PROMPT, PROMPT, Worker, running
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +20,8 @@ QUESTION = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    worker = launch(tmp_path_factory.mktemp("openai"), env={"LLORCH_API_TOKEN": TOKEN})
-    try:
-        worker.wait_healthy()
+    with running(tmp_path_factory.mktemp("openai"), env={"LLORCH_API_TOKEN": TOKEN}) as worker:
         yield worker
-    finally:
-        assert worker.stop() == 0, worker.stderr()
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +121,8 @@ def test_logprobs_shapes(client: openai.OpenAI) -> None:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         values = [top.logprob for top in entry.top_logprobs]
         assert values == sorted(values, reverse=True)
-        # Greedy: the chosen token is the most likely one.
-        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
+        # Greedy: the chosen token is a most likely one (bf16 logits tie often; ties may list another token first).
+        assert entry.logprob == entry.top_logprobs[0].logprob
         assert entry.bytes == list(entry.token.encode())
 
     completion = client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=8, logprobs=2)
@@ -304,15 +300,10 @@ def test_tokenized_chat_equals_transformers_on_the_gguf(http: httpx.Client, demo
 def test_chat_template_override(tmp_path: Path) -> None:
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     template += "{% if add_generation_prompt %}[assistant] {% endif %}"
-    worker = launch(tmp_path, "--chat-template", template)
-    try:
-        worker.wait_healthy()
-        with httpx.Client(base_url=worker.url, timeout=60) as http:
-            tokens = http.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
-            text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
-        assert text == "[user] Name three colors.\n[assistant] "
-    finally:
-        assert worker.stop() == 0, worker.stderr()
+    with running(tmp_path, "--chat-template", template) as worker, httpx.Client(base_url=worker.url) as http:
+        tokens = http.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text == "[user] Name three colors.\n[assistant] "
 
 
 def test_invalid_chat_template_is_refused_at_start(tmp_path: Path) -> None:

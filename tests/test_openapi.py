@@ -19,7 +19,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import positive_data_acceptance
 from schemathesis.core.failures import FailureGroup
-from serving import Worker, launch
+from serving import Worker, running
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +28,15 @@ EXAMPLES_PER_OPERATION = 30  # per operation and mode (valid data, invalid data)
 
 @pytest.fixture(scope="module")
 def tiny_worker(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    worker = launch(
+    with running(
         tmp_path_factory.mktemp("openapi"),
         "--model", str(tiny_models["mistral"]),
         "--max-context", "96",
         "--max-batch", "64",
         "--max-queue", "512",
         "--unclaimed-job-timeout", "2",
-    )  # fmt: skip
-    try:
-        worker.wait_healthy()
+    ) as worker:  # fmt: skip
         yield worker
-    finally:
-        assert worker.stop() == 0, worker.stderr()
 
 
 def test_every_operation_keeps_its_documented_contract(tiny_worker: Worker) -> None:
