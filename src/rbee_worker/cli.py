@@ -133,6 +133,14 @@ def build_parser() -> Parser:
         help="cap the context (prompt + generated tokens) below the model's own",
     )
     jobs.add_argument(
+        "--kv-cache-gb",
+        type=bounded(float, 0.0, low_open=True),
+        default=None,
+        metavar="GIB",
+        help="memory for the KV cache, shared equally by the --max-batch slots up to the context (default: 90%% of the "
+        "GPU memory left after the weights; on a CPU half the available memory, touched only as contexts grow)",
+    )
+    jobs.add_argument(
         "--chat-template",
         metavar="FILE_OR_TEXT",
         help="a Jinja chat template (a file, or the template itself) instead of the model's own",
@@ -214,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         max_context=args.max_context,
+        kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
         chat_template=chat_template,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,

@@ -50,6 +50,7 @@ class ServeSettings:
     max_batch: int
     max_queue: int
     max_context: int | None
+    kv_cache_bytes: int | None  # None: sized from the memory left after the weights
     chat_template: str | None
     drain_timeout_s: float
     stall_timeout_s: float
@@ -141,6 +142,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         deterministic=settings.deterministic,
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,
+        kv_cache_bytes=settings.kv_cache_bytes,
         observer=metrics,
     )
     metrics.watch(engine)
