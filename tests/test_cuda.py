@@ -1,6 +1,7 @@
 """CUDA parity on a random-weight Llama (fixed seed, demo tokenizer). Skipped where there is no CUDA GPU (CI)."""
 
 import functools
+import queue
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ from conftest import greedy, make_tiny_model
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Error, Request, Token
 from rbee_worker.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -75,3 +78,31 @@ def test_model_lands_on_the_gpu_and_memory_is_measured(random_llama: Path) -> No
         assert engine.memory_bytes() >= loaded.info.weight_bytes > 0
     finally:
         engine.close()
+
+
+def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path) -> None:
+    """Concurrent greedy requests (one batched decode step for all) give the same tokens whether each step replays a
+    captured CUDA graph or runs the forward eagerly; fp32 with peaked logits, so rounding cannot flip a choice."""
+    results = []
+    for graphs in (True, False):
+        engine = Engine(
+            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)), cuda_graphs=graphs
+        )
+        try:
+            streams = [queue.SimpleQueue() for _ in PROMPTS]
+            for prompt, events in zip(PROMPTS, streams, strict=True):
+                request = Request(engine.tokenize(prompt), max_tokens=48, sampling=SamplingParams(temperature=0))
+                engine.submit(request, events.put)
+            tokens = []
+            for events in streams:
+                ids = []
+                while not isinstance(event := events.get(timeout=120), End | Error):
+                    if isinstance(event, Token):
+                        ids.extend(event.token_ids)
+                assert isinstance(event, End), event
+                tokens.append(ids)
+            results.append(tokens)
+            assert (engine._graphs is not None) is graphs  # the path under test really ran
+        finally:
+            engine.close()
+    assert results[0] == results[1]

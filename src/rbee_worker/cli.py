@@ -141,6 +141,12 @@ def build_parser() -> Parser:
         "GPU memory left after the weights; on a CPU half the available memory, touched only as contexts grow)",
     )
     jobs.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay batched decode steps as CUDA graphs on a GPU (default on; never with --deterministic)",
+    )
+    jobs.add_argument(
         "--chat-template",
         metavar="FILE_OR_TEXT",
         help="a Jinja chat template (a file, or the template itself) instead of the model's own",
@@ -223,6 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_context=args.max_context,
         kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+        cuda_graphs=args.cuda_graphs,
         chat_template=chat_template,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,

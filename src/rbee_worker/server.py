@@ -51,6 +51,7 @@ class ServeSettings:
     max_queue: int
     max_context: int | None
     kv_cache_bytes: int | None  # None: sized from the memory left after the weights
+    cuda_graphs: bool
     chat_template: str | None
     drain_timeout_s: float
     stall_timeout_s: float
@@ -143,6 +144,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,
         kv_cache_bytes=settings.kv_cache_bytes,
+        cuda_graphs=settings.cuda_graphs,
         observer=metrics,
     )
     metrics.watch(engine)

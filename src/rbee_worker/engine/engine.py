@@ -30,6 +30,7 @@ from typing import Protocol
 import psutil
 import torch
 
+from rbee_worker.engine.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.sampling import Sampler, random_seed
@@ -39,6 +40,7 @@ from rbee_worker.models.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 
+GRAPH_WARM_SPAN = 2048  # decode graphs captured before ready: every batch bucket up to this attention span
 MIN_SLOT_TOKENS = 64  # a KV slot shorter than this cannot hold a useful request
 GPU_KV_SHARE = 0.9  # of the device memory free after loading
 ACTIVATION_RESERVE_BYTES = 1 << 30  # left free on a GPU for activations and logits
@@ -130,6 +132,7 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int = 512,
         kv_cache_bytes: int | None = None,
+        cuda_graphs: bool = True,
         observer: EngineObserver | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -137,6 +140,9 @@ class Engine:
         self.deterministic = deterministic
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self._kv_cache_bytes = kv_cache_bytes  # None: sized from the memory left after the weights
+        # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
+        self._use_cuda_graphs = cuda_graphs and not deterministic
+        self._graphs: DecodeGraphs | None = None
         self._observer = observer or _NoObserver()
         self._load = load
         self._loaded: LoadedModel | None = None
@@ -357,6 +363,7 @@ class Engine:
         try:
             loaded = self._load()
             self._cache = self._allocate_cache(loaded)
+            self._prepare_graphs(loaded)
             self._loaded = loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
@@ -404,6 +411,18 @@ class Engine:
             extra={"fields": {"slots": self.max_batch, "slot_tokens": slot_len}},
         )
         return SlotCache(config, self.max_batch, slot_len, info.dtype, info.device)
+
+    def _prepare_graphs(self, loaded: LoadedModel) -> None:
+        """Capture the decode graphs for the common shapes before the worker reports ready."""
+        if not (self._use_cuda_graphs and loaded.info.device.type == "cuda"):
+            return
+        started = time.perf_counter()
+        parameters = inspect.signature(loaded.model.forward).parameters
+        cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        with torch.inference_mode():
+            self._graphs = DecodeGraphs(loaded.model, self._cache, cache_kwarg, loaded.info.dtype)
+            self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
+        log.info("captured %d CUDA graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -466,7 +485,7 @@ class Engine:
         """A forward over the cache rows from the lowest to the highest slot of `sequences`; rows in between that are
         not theirs (free slots, sequences still in prefill) compute a throwaway token into the scratch position."""
         cache, device = self._cache, self._model.device
-        first = min(s.slot for s in sequences)
+        first = 0 if self._graphs else min(s.slot for s in sequences)  # graphs always start at row 0
         rows = max(s.slot for s in sequences) + 1 - first
         tokens = [0] * rows
         positions = [cache.slot_len] * rows
@@ -476,15 +495,18 @@ class Engine:
             positions[s.slot - first] = s.cached
             lengths[s.slot - first] = s.cached + 1
         with self._failing(sequences):
-            position_ids = torch.tensor(positions, device=device)[:, None]
-            lengths_t = torch.tensor(lengths, device=device)
-            kv_len = max(lengths)
-            cache.prepare(first, position_ids, kv_len)
-            logits = self._forward(
-                torch.tensor(tokens, device=device)[:, None],
-                position_ids,
-                decode_mask(lengths_t, kv_len, self._loaded.info.dtype),
-            )
+            if self._graphs:
+                logits = self._graphs.run(tokens, positions, lengths)
+            else:
+                position_ids = torch.tensor(positions, device=device)[:, None]
+                kv_len = max(lengths)
+                cache.prepare(first, position_ids, kv_len)
+                logits = self._forward(
+                    torch.tensor(tokens, device=device)[:, None],
+                    position_ids,
+                    decode_mask(torch.tensor(lengths, device=device), kv_len, self._loaded.info.dtype),
+                )
+            logits = logits.float().cpu()  # one copy for all rows: sampling runs on the host
             for s in sequences:
                 s.cached += 1
                 self._sample(s, logits[s.slot - first])

@@ -47,7 +47,7 @@ class SlotCache:
         self._scratch_zeroed = False
         self._first = self._rows = self._kv_len = 0
         self._positions: torch.Tensor | None = None
-        self._row_index: torch.Tensor | None = None
+        self.row_index: torch.Tensor | None = None  # the batch rows' slots, as a column
 
     @property
     def resident_bytes(self) -> int:
@@ -60,14 +60,14 @@ class SlotCache:
         self._ensure_zeroed(kv_len)
         self._first, self._rows, self._kv_len = first_row, positions.shape[0], kv_len
         self._positions = positions
-        self._row_index = torch.arange(first_row, first_row + self._rows, device=positions.device)[:, None]
+        self.row_index = torch.arange(first_row, first_row + self._rows, device=positions.device)[:, None]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self._row_index, :, self._positions] = key_states.transpose(1, 2)
-        values[self._row_index, :, self._positions] = value_states.transpose(1, 2)
+        keys[self.row_index, :, self._positions] = key_states.transpose(1, 2)
+        values[self.row_index, :, self._positions] = value_states.transpose(1, 2)
         rows = slice(self._first, self._first + self._rows)
         return keys[rows, :, : self._kv_len], values[rows, :, : self._kv_len]
 

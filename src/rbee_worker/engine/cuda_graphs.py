@@ -1,0 +1,91 @@
+"""The batched decode step replayed as CUDA graphs: one launch for the whole forward instead of hundreds of kernel
+launches driven from Python, which is what bounds a decode step of a model that fits a GPU.
+
+A graph has fixed shapes, so steps are padded up to buckets: the batch to the next of ROW_BUCKETS (rows beyond the
+running sequences are the cache's scratch rows, as in any decode step) and the attention span to the next power of
+two (positions beyond a row's length are masked, as always). Each (rows, span) graph is captured on first use, or
+ahead of time by `warm_up`; all share one memory pool. The inputs live in static tensors that each step overwrites.
+"""
+
+import torch
+
+from rbee_worker.engine.kv_cache import SlotCache, decode_mask
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_SPAN = 128
+
+
+def bucket(value: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= value)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype) -> None:
+        self.model, self.cache, self.cache_kwarg, self.dtype = model, cache, cache_kwarg, dtype
+        device = cache.keys[0].device
+        self.row_buckets = sorted({b for b in ROW_BUCKETS if b < cache.slots} | {cache.slots})
+        spans, span = [], MIN_SPAN
+        while span < cache.slot_len:
+            spans.append(span)
+            span *= 2
+        self.span_buckets = [*spans, cache.slot_len]
+        rows = cache.slots
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.full((rows, 1), cache.slot_len, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warm_up(self, max_span: int) -> None:
+        """Capture every batch bucket for the spans up to max_span, so that no request pays for a capture."""
+        for rows in self.row_buckets:
+            for span in self.span_buckets:
+                if span <= max(max_span, MIN_SPAN):
+                    self._graph(rows, span)
+
+    def run(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
+        """Logits (len(tokens), vocab) of one decode step over cache rows 0..len(tokens)-1 (as the eager forward)."""
+        count = len(tokens)
+        rows = bucket(count, self.row_buckets)
+        span = bucket(max(lengths), self.span_buckets)
+        graph, logits, _ = self._graph(rows, span)
+        pad = rows - count
+        self.tokens[:rows, 0].copy_(torch.tensor(tokens + [0] * pad))
+        self.positions[:rows, 0].copy_(torch.tensor(positions + [self.cache.slot_len] * pad))
+        self.lengths[:rows].copy_(torch.tensor(lengths + [0] * pad))
+        graph.replay()
+        return logits[:count]
+
+    def _graph(self, rows: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        """The graph, its output, and the cache's row index it reads (kept alive: a graph reads fixed addresses)."""
+        if (rows, span) in self.graphs:
+            return self.graphs[rows, span]
+        tokens, positions, lengths = self.tokens[:rows], self.positions[:rows], self.lengths[:rows]
+        # Harmless inputs while capturing: every row writes the scratch position and reads position 0.
+        tokens.zero_()
+        positions.fill_(self.cache.slot_len)
+        lengths.zero_()
+        self.cache.prepare(0, positions, span)  # also zeroes the cache up to `span`
+
+        def step() -> torch.Tensor:
+            output = self.model(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=decode_mask(lengths, span, self.dtype),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_kwarg: self.cache},
+            )
+            return output.logits[:, -1]
+
+        # Warm-up on a side stream before capture, as CUDA graphs require; the scratch position absorbs its writes.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        self.graphs[rows, span] = (graph, logits, self.cache.row_index)
+        return self.graphs[rows, span]
