@@ -473,6 +473,19 @@ def test_ready_callback_refused_exits_3(tmp_path: Path, manager_factory: Manager
     assert len(manager.recorded("/ready")) == 1  # a 4xx is final: no retry
 
 
+def test_absent_pool_manager_is_retried_until_the_callback_timeout_then_exit_3() -> None:
+    """Nothing listens at the callback URL: the worker loads, retries with backoff for --callback-timeout seconds,
+    then exits 3 with one line naming the URL."""
+    url = f"http://127.0.0.1:{free_port()}/ready"
+    started = time.monotonic()
+    result = cli("serve", "--port", "0", "--callback-url", url, "--callback-timeout", "3", timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 3, result.stderr
+    [line] = error_lines(result.stderr)
+    assert url in line, line
+    assert elapsed >= 3  # it kept trying for the whole timeout rather than giving up at the first refusal
+
+
 # -- auth and tracing ------------------------------------------------------------------------------------------------
 
 
