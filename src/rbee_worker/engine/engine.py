@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -506,10 +507,29 @@ class Engine:
                     position_ids,
                     decode_mask(torch.tensor(lengths, device=device), kv_len, self._loaded.info.dtype),
                 )
-            logits = logits.float().cpu()  # one copy for all rows: sampling runs on the host
             for s in sequences:
                 s.cached += 1
-                self._sample(s, logits[s.slot - first])
+            self._choose(sequences, logits, first)
+
+    def _choose(self, sequences: list[_Sequence], logits: torch.Tensor, first: int) -> None:
+        """Each sequence's next token from its row (slot - first) of `logits`. Plain greedy rows take the argmax
+        where the logits are, so only ids and maxima cross to the host; the others are sampled on the host from one
+        copy of their rows."""
+        plain: list[_Sequence] = []
+        others: list[_Sequence] = []
+        for s in sequences:
+            (plain if s.sampler.params.is_plain_greedy() and s.request.logprobs is None else others).append(s)
+        if plain:
+            values, best = logits[[s.slot - first for s in plain]].max(-1)  # ties: the lowest id, as the Sampler
+            for s, token, value in zip(plain, best.tolist(), values.float().tolist(), strict=True):
+                if math.isfinite(value):  # a NaN anywhere comes out as the maximum
+                    self._accept(s, token, None)
+                else:
+                    self._fail(s, ErrorCode.INFERENCE_FAILED, "inference failed: the model's logits are not finite")
+        if others:
+            host = logits[[s.slot - first for s in others]].float().cpu()
+            for row, s in enumerate(others):
+                self._sample(s, host[row])
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The model's next-token logits for each batch row: (rows, vocab)."""

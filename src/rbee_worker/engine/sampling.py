@@ -77,6 +77,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    def is_plain_greedy(self) -> bool:
+        """Greedy with no penalty: the choice is the logits' argmax (lowest id on ties) and needs no state."""
+        return (
+            self.is_greedy()
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+        )
+
 
 def random_seed() -> int:
     """A fresh seed for a request that brought none (0..2**63-1, from the OS's CSPRNG)."""
