@@ -374,9 +374,7 @@ class Engine:
         self._model = loaded.model
         self._eos = loaded.info.eos_token_ids
         self._free_slots = list(range(self.max_batch))
-        # transformers renamed forward's `past_key_values` to `cache` (5.2x); the GPU machines still run 5.17.
-        parameters = inspect.signature(self._model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self._model)
         with torch.inference_mode():
             while self._admit(block=not self._active):
                 running = list(itertools.islice(self._active.values(), self.max_batch))
@@ -418,10 +416,8 @@ class Engine:
         if not (self._use_cuda_graphs and loaded.info.device.type == "cuda"):
             return
         started = time.perf_counter()
-        parameters = inspect.signature(loaded.model.forward).parameters
-        cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
         with torch.inference_mode():
-            self._graphs = DecodeGraphs(loaded.model, self._cache, cache_kwarg, loaded.info.dtype)
+            self._graphs = DecodeGraphs(loaded.model, self._cache, cache_kwarg(loaded.model), loaded.info.dtype)
             self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
         log.info("captured %d CUDA graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
 
@@ -647,6 +643,12 @@ def _log_finished(request: Request, terminal: End | Error) -> None:
         "stop_reason": terminal.stop_reason.value,
     }
     log.info("job finished", extra={"fields": fields})
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of forward's cache argument: transformers renamed `past_key_values` to `cache` in 5.2x, and the GPU
+    machines still run 5.17."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def kv_budget(device: torch.device) -> int:
