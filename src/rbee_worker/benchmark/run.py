@@ -92,7 +92,7 @@ async def stream_completion(client: httpx.AsyncClient, prompt: list[int], tokens
 async def measure_worker(url: str, spec: dict) -> dict:
     repeats, gen = spec["repeats"], spec["gen_tokens"]
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await stream_completion(client, spec["short_prompt"], 8)  # warm-up
+        await stream_completion(client, spec["short_prompt"], gen)  # warm-up, as long as a measured run
         await stream_completion(client, spec["long_prompt"], 2)
         ttft = []
         for _ in range(repeats):
