@@ -169,6 +169,27 @@ def test_health_is_unhealthy_while_the_engine_makes_no_progress(tuned: Worker, c
     assert client.get("/health").status_code == 200 and client.get("/v1/ready").json()["ready"] is True
 
 
+def test_heartbeat_says_degraded_while_the_engine_makes_no_progress(tmp_path: Path) -> None:
+    """The stall that makes /health unhealthy (a prefill longer than --stall-timeout) turns the heartbeat's
+    health_status to degraded, and back to healthy once steps complete."""
+    manager = Manager([200])
+    try:
+        with running(
+            tmp_path,
+            "--stall-timeout", str(STALL_TIMEOUT_S),
+            "--heartbeat-url", f"{manager.url}/beat",
+            "--heartbeat-interval", "0.1",
+        ) as worker, httpx.Client(base_url=worker.url, timeout=120) as http:  # fmt: skip
+            stream = execute(http, prompt=LONG_PROMPT, max_tokens=2)
+            assert stream.terminal["type"] == "end"
+            time.sleep(0.3)
+            statuses = [beat.body["health_status"] for beat in manager.recorded("/beat")]
+    finally:
+        manager.close()
+    assert "degraded" in statuses, statuses
+    assert statuses[-1] == "healthy" and statuses.index("degraded") > 0  # healthy, degraded, healthy again
+
+
 def test_unclaimed_job_is_cancelled_and_forgotten(client: httpx.Client) -> None:
     # Longer than the wait (about 40 tokens/s here) and within --max-context.
     created = client.post("/v1/inference", json={"prompt": PROMPT, "max_tokens": MAX_CONTEXT - 32}).json()

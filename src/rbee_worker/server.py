@@ -228,8 +228,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         if settings.heartbeat_url:
 
             def status() -> HeartbeatStatus:
-                condition = state.condition()
-                health = "healthy" if condition == "healthy" else "degraded"
+                health = "degraded" if state.condition() == "unhealthy" else "healthy"  # draining shows in `state`
                 return HeartbeatStatus(worker_id, health, "draining" if state.draining else state.activity())
 
             await heartbeat_loop(settings.heartbeat_url, settings.heartbeat_interval_s, status)
