@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from rbee_worker.benchmark.peers import PEERS
 from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
 
@@ -194,10 +195,33 @@ def build_parser() -> Parser:
     )
     serve.set_defaults(run=run_serve)
 
-    from rbee_worker.benchmark.run import add_parser as add_bench_parser
-
-    add_bench_parser(commands)
+    bench = commands.add_parser("bench", help="measure rbee-worker through its HTTP API against the peers")
+    add_log_flags(bench, "warning")
+    bench.add_argument("--model", default="demo")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--gen-tokens", type=int, default=128)
+    bench.add_argument("--concurrency", type=comma_list(int), default=[1, 4, 16, 64])
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
+    bench.add_argument(
+        "--peers", type=comma_list(str), default=["transformers"], help=f"comma-separated, from {', '.join(PEERS)}"
+    )
+    bench.add_argument("--worker-flag", action="append", default=[], help="extra flag for `serve` (repeatable)")
+    bench.add_argument("--out", default="bench/results")
+    bench.set_defaults(run=run_bench)
     return parser
+
+
+def comma_list(kind: type) -> Callable[[str], list]:
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rbee_worker.benchmark.run import main  # httpx and the load generator only when benchmarking
+
+    return main(args)
 
 
 def run_serve(args: argparse.Namespace) -> int:

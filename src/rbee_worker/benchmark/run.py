@@ -27,8 +27,6 @@ from typing import Any
 
 import httpx
 
-from rbee_worker.benchmark.peers import PEERS
-
 TEXT = (
     "The history of the river town begins with the old stone bridge, built by farmers who needed a way to bring "
     "their grain to the market on the other bank. Over the centuries the town grew around the bridge: mills, "
@@ -261,21 +259,3 @@ def main(args: argparse.Namespace) -> int:
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
     return 0
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="measure rbee-worker through its HTTP API against the peers")
-    bench.add_argument("--model", default="demo")
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--prompt-tokens", type=int, default=512)
-    bench.add_argument("--gen-tokens", type=int, default=128)
-    bench.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 4, 16, 64])
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
-    bench.add_argument("--peers", type=lambda s: [p for p in s.split(",") if p], default=["transformers"],
-                       help=f"comma-separated, from {', '.join(PEERS)}")  # fmt: skip
-    bench.add_argument("--worker-flag", action="append", default=[], help="extra flag for `serve` (repeatable)")
-    bench.add_argument("--out", default="bench/results")
-    bench.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    bench.set_defaults(run=main, log_format=None)

@@ -44,7 +44,9 @@ class SlotCache:
         self.slots, self.slot_len = slots, slot_len
         self.bytes_per_token = kv_bytes_per_token(config, dtype)
         self._zeroed = 0  # positions [0, _zeroed) of every slot are initialized
-        self._scratch_zeroed = False
+        for layer in (*self.keys, *self.values):
+            layer[:, :, slot_len].zero_()  # the scratch position
+            layer[:, :, 0].zero_()  # dummy rows attend to position 0 of their slot
         self._first = self._rows = self._kv_len = 0
         self._positions: torch.Tensor | None = None
         self.row_index: torch.Tensor | None = None  # the batch rows' slots, as a column
@@ -75,11 +77,6 @@ class SlotCache:
         return self._kv_len
 
     def _ensure_zeroed(self, kv_len: int) -> None:
-        if not self._scratch_zeroed:
-            for layer in (*self.keys, *self.values):
-                layer[:, :, self.slot_len].zero_()
-                layer[:, :, 0].zero_()  # dummy rows attend to position 0 of their slot
-            self._scratch_zeroed = True
         if kv_len > self._zeroed:
             for layer in (*self.keys, *self.values):
                 layer[:, :, self._zeroed : kv_len].zero_()
