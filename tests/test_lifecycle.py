@@ -115,11 +115,24 @@ def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(client: ht
         with client.stream("POST", "/execute", json=body) as response:
             outcomes[i] = read_rest(response) if response.status_code == 200 else response.read() and response
 
+    health: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def poll_health() -> None:
+        with httpx.Client(base_url=client.base_url, timeout=30) as http:
+            while not done.is_set():
+                health.append(http.get("/health").json())
+                time.sleep(0.02)
+
     threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+    poller = threading.Thread(target=poll_health)
+    poller.start()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
+    done.set()
+    poller.join()
     finished = [o for o in outcomes.values() if isinstance(o, Stream)]
     refused = [o for o in outcomes.values() if isinstance(o, httpx.Response)]
     assert len(finished) == 3 and len(refused) == 3, outcomes
@@ -133,7 +146,14 @@ def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(client: ht
         assert error["code"] == "ALL_SLOTS_BUSY" and error["message"]
         assert (error["slots_total"], error["slots_busy"], error["queue_total"], error["queue_busy"]) == (2, 2, 1, 1)
     assert execute(client, prompt=PROMPT, max_tokens=48, temperature=0).text in texts
-    assert client.get("/health").json()["state"] == "idle"
+    # /health's slots and KV cache use: both slots held at some point; at most 2 x (prompt + 48 tokens) of the
+    # 2 x MAX_CONTEXT positions; nothing once idle.
+    prompt_tokens = finished[0].terminal["prompt_tokens"]
+    assert max(body["slots_busy"] for body in health) == 2 and {body["slots_total"] for body in health} == {2}
+    usage = [body["kv_cache_usage_perc"] for body in health]
+    assert 0 < max(usage) <= 2 * (prompt_tokens + 48) / (2 * MAX_CONTEXT), usage
+    idle = client.get("/health").json()
+    assert (idle["state"], idle["slots_busy"], idle["kv_cache_usage_perc"]) == ("idle", 0, 0)
 
 
 # --- health -----------------------------------------------------------------------------------------------------------

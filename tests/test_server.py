@@ -38,7 +38,17 @@ from serving import (
 
 pytestmark = pytest.mark.slow
 
-HEALTH_KEYS = {"status", "state", "worker_id", "model", "vram_bytes", "memory_bytes"}
+HEALTH_KEYS = {
+    "status",
+    "state",
+    "worker_id",
+    "model",
+    "vram_bytes",
+    "memory_bytes",
+    "slots_total",
+    "slots_busy",
+    "kv_cache_usage_perc",
+}
 READY_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device"}
 BEAT_KEYS = {"worker_id", "timestamp", "health_status", "state"}
 CANCEL_LATENCY_S = 1.0  # the brief's bound for "the stream ends / the slot is free after a cancel"
@@ -122,6 +132,7 @@ def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Clien
     body = response.json()
     assert set(body) == HEALTH_KEYS, body
     assert body["status"] == "healthy" and body["state"] == "idle"
+    assert (body["slots_busy"], body["kv_cache_usage_perc"]) == (0, 0) and body["slots_total"] == 16  # the default
     assert body["worker_id"] == f"{socket.gethostname()}-{server.port}"  # the default: <host name>-<port>
     assert body["model"] == DEMO_NAME  # the default --model-ref: the model's own name, not "demo"
     assert body["vram_bytes"] == 0  # CPU

@@ -16,6 +16,9 @@ class Health(BaseModel):
     model: str | None = None
     vram_bytes: int | None = None
     memory_bytes: int | None = None
+    slots_total: int | None = None  # --max-batch
+    slots_busy: int | None = None  # jobs holding a slot (others in flight wait in the queue)
+    kv_cache_usage_perc: float | None = None  # share of the KV cache's token positions in use, 0..1
     message: str | None = None  # why it is unhealthy
 
 

@@ -17,6 +17,7 @@ and prefill chunks always split a prompt at the same offsets whatever else runs.
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -31,6 +32,8 @@ from typing import Protocol
 import psutil
 import torch
 
+from rbee_worker.devices import tensor_bytes
+from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
@@ -362,7 +365,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            loaded = self._load()
+            loaded = self._pack_for_cpu(self._load())
             self._cache = self._allocate_cache(loaded)
             self._prepare_graphs(loaded)
             self._loaded = loaded
@@ -410,6 +413,16 @@ class Engine:
             extra={"fields": {"slots": self.max_batch, "slot_tokens": slot_len}},
         )
         return SlotCache(config, self.max_batch, slot_len, info.dtype, info.device)
+
+    @staticmethod
+    def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
+        """On a CPU, the linear layers' weights reordered once for oneDNN (see cpu_linear.py); the weight bytes
+        measured again, since the plain weights are gone (a tied LM head's packed copy comes on top)."""
+        if not can_pack(loaded.model):
+            return loaded
+        pack_linears(loaded.model)
+        weight_bytes = tensor_bytes(loaded.model) + packed_bytes(loaded.model)
+        return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
 
     def _prepare_graphs(self, loaded: LoadedModel) -> None:
         """Capture the decode graphs for the common shapes before the worker reports ready."""

@@ -1,0 +1,142 @@
+"""Where a decode step's time goes, below the HTTP API: the model's forward alone, the engine driven directly
+(no HTTP), for one stream and for N concurrent ones; and time to first token inside the engine against one bare
+forward over the same prompt. Meant for GPUs: on a CPU the forwards timed here run on a second thread, at
+about half speed (see engine.py). Set beside `rbee-worker bench` (the same figures through HTTP), the differences say
+how much the HTTP layer, the engine's host work and the forward each cost.
+
+    python bench/step_time.py --model M --device cuda|cpu --dtype bfloat16 [--threads 2] [--concurrency 1,16,64]
+
+Prints a table and writes bench/results/step_time_<model>_<device>_<card or cpu>.json (medians of --repeats).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Request, Token
+from rbee_worker.models.loader import load_model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_streams(engine: Engine, prompts: list[tuple[int, ...]], tokens: int) -> tuple[float, float]:
+    """The prompts at once (greedy, ignore_eos): (aggregate tokens/s, single-stream decode tokens/s of the first)."""
+    times: list[list[float]] = [[] for _ in prompts]
+    done = threading.Barrier(len(prompts) + 1)
+
+    def consume(i: int) -> None:
+        request = Request(prompts[i], max_tokens=tokens, sampling=SamplingParams(temperature=0), ignore_eos=True)
+        for event in engine.stream(request):
+            if isinstance(event, Token):
+                times[i].append(time.perf_counter())
+            elif isinstance(event, End):
+                assert event.tokens_out == tokens, event
+        done.wait()
+
+    started = time.perf_counter()
+    for i in range(len(prompts)):
+        threading.Thread(target=consume, args=(i,), daemon=True).start()
+    done.wait()
+    ended = max(t[-1] for t in times)
+    first = times[0]
+    return sum(len(t) for t in times) / (ended - started), (len(first) - 1) / (first[-1] - first[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    placement = resolve_placement(args.device, args.dtype)
+    engine = Engine(lambda: load_model(args.model, placement), max_batch=max(concurrency))
+    loaded = engine.loaded  # after the cache and the graphs
+    device, model = loaded.info.device, loaded.model
+    vocab = len(loaded.tokenizer)
+    long_prompt = tuple(range(1000, 1000 + args.prompt_tokens))
+    short = tuple(range(2000, 2016))
+    result: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "torch": torch.__version__}
+    result["card"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+
+    # The forward alone: one bare forward over the long prompt; a decode step with a dynamic cache.
+    ids = torch.tensor([long_prompt], device=device)
+    with torch.inference_mode():
+        forwards, steps = [], []
+        for _ in range(args.repeats + 1):
+            sync(device)
+            started = time.perf_counter()
+            cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+            sync(device)
+            forwards.append(time.perf_counter() - started)
+        one = torch.tensor([[5]], device=device)
+        for _ in range(20):
+            sync(device)
+            started = time.perf_counter()
+            model(input_ids=one, past_key_values=cache, use_cache=True)
+            sync(device)
+            steps.append(time.perf_counter() - started)
+            cache.crop(-1)
+    result["bare_forward_s"] = statistics.median(forwards[1:])
+    result["eager_decode_step_s"] = statistics.median(steps[5:])
+
+    graphs = engine._graphs  # the engine's own CUDA graphs, replayed back to back (no host work between them)
+    if graphs is not None:
+        replays = []
+        for _ in range(args.repeats):
+            sync(device)
+            started = time.perf_counter()
+            with torch.inference_mode():  # the graphs' static inputs are inference tensors
+                for _ in range(50):
+                    graphs.run([5], [args.prompt_tokens], [args.prompt_tokens + 1])
+            sync(device)
+            replays.append((time.perf_counter() - started) / 50)
+        result["graph_step_s"] = statistics.median(replays)
+
+    run_streams(engine, [short], args.tokens)  # warm-up
+    ttft = []
+    for _ in range(args.repeats):
+        request = Request(long_prompt, max_tokens=1, sampling=SamplingParams(temperature=0))
+        started = time.perf_counter()
+        next(e for e in engine.stream(request) if isinstance(e, Token))
+        ttft.append(time.perf_counter() - started)
+    result["engine_ttft_s"] = statistics.median(ttft)
+    result["engine_ttft_over_bare_forward"] = result["engine_ttft_s"] / result["bare_forward_s"]
+    result["engine_decode_tok_s"] = statistics.median(run_streams(engine, [short], args.tokens)[1]
+                                                      for _ in range(args.repeats))  # fmt: skip
+    result["engine_aggregate_tok_s"] = {}
+    for count in concurrency:
+        prompts = [(*short, i % vocab) for i in range(count)]
+        result["engine_aggregate_tok_s"][str(count)] = statistics.median(
+            run_streams(engine, prompts, args.tokens)[0] for _ in range(args.repeats)
+        )
+    engine.close()
+    for key, value in result.items():
+        print(f"{key:<32} {value:.4f}" if isinstance(value, float) else f"{key:<32} {value}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"step_time_{Path(args.model).stem}_{args.device.replace(':', '')}_{result['card'].replace(' ', '_')}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
