@@ -11,6 +11,7 @@ Prints a table and writes bench/results/step_time_<model>_<device>_<card or cpu>
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import threading
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the engine's start-up steps
     if args.threads:
         torch.set_num_threads(args.threads)
     concurrency = [int(c) for c in args.concurrency.split(",")]

@@ -80,13 +80,17 @@ def test_model_lands_on_the_gpu_and_memory_is_measured(random_llama: Path) -> No
         engine.close()
 
 
-def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path) -> None:
+@pytest.mark.parametrize("compile_model", [True, False], ids=["compiled", "eager"])
+def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_model: bool) -> None:
     """Concurrent greedy requests (one batched decode step for all) give the same tokens whether each step replays a
-    captured CUDA graph or runs the forward eagerly; fp32 with peaked logits, so rounding cannot flip a choice."""
+    captured CUDA graph (of the torch.compile'd forward, or of the plain one) or runs the forward eagerly; fp32 with
+    peaked logits, so rounding cannot flip a choice."""
     results = []
     for graphs in (True, False):
         engine = Engine(
-            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)), cuda_graphs=graphs
+            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
+            cuda_graphs=graphs,
+            compile_model=compile_model,
         )
         try:
             streams = [queue.SimpleQueue() for _ in PROMPTS]
@@ -96,13 +100,15 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path) -> None:
             tokens = []
             for events in streams:
                 ids = []
-                while not isinstance(event := events.get(timeout=120), End | Error):
+                while not isinstance(event := events.get(timeout=300), End | Error):
                     if isinstance(event, Token):
                         ids.extend(event.token_ids)
                 assert isinstance(event, End), event
                 tokens.append(ids)
             results.append(tokens)
-            assert (engine._graphs is not None) is graphs  # the path under test really ran
+            # The path under test really ran.
+            assert (engine._graphs is not None) is graphs
+            assert (engine._forward_module is not engine.loaded.model) is (graphs and compile_model)
         finally:
             engine.close()
     assert results[0] == results[1]

@@ -165,6 +165,45 @@ def check_interleaving(engine: Engine) -> None:
     assert set(order[: len(order) // 2]) == {0, 1, 2}
 
 
+def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) -> None:
+    """Three prompts of different lengths that arrive while a long prefill runs are prefilled in one forward at the
+    next round (rows left-padded to the longest) and still give their solo tokens; float32, as above."""
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")))
+    try:
+        prompts = [STORY, "The three primary colors are", "def add(a, b):\n"]
+        requests = [Request(engine.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
+        solo = [run(engine, r)[2] for r in requests]
+        rows: list[int] = []
+        prefilling = threading.Event()
+        forward = engine._prompt_forward
+
+        def spy(slots: list[int], pieces: list) -> object:
+            rows.append(len(slots))
+            prefilling.set()
+            return forward(slots, pieces)
+
+        engine._prompt_forward = spy  # type: ignore[method-assign]
+        long_prompt = engine.tokenize(STORY * 40)[:500]  # one forward of about a second here
+        blocker = queue.SimpleQueue()
+        engine.submit(Request(long_prompt, max_tokens=1, sampling=GREEDY), blocker.put)
+        assert prefilling.wait(timeout=60)
+        streams = [queue.SimpleQueue() for _ in requests]
+        for request, events in zip(requests, streams, strict=True):
+            engine.submit(request, events.put)
+        batched = []
+        for events in streams:
+            ids = []
+            while not isinstance(event := events.get(timeout=120), End | Error):
+                if isinstance(event, Token):
+                    ids.extend(event.token_ids)
+            assert isinstance(event, End), event
+            batched.append(ids)
+        assert rows == [1, 3]  # the long prompt alone, then the three together
+        assert batched == solo
+    finally:
+        engine.close()
+
+
 def test_same_request_id_twice_is_refused(engine: Engine) -> None:
     first: queue.SimpleQueue[Event] = queue.SimpleQueue()
     request = Request(engine.tokenize(STORY), max_tokens=200, request_id="job-1")

@@ -148,6 +148,13 @@ def build_parser() -> Parser:
         help="replay batched decode steps as CUDA graphs on a GPU (default on; never with --deterministic)",
     )
     jobs.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with CUDA graphs, run the model through torch.compile (experimental, default off: its start-up on an "
+        "8B model is not measured yet)",
+    )
+    jobs.add_argument(
         "--chat-template",
         metavar="FILE_OR_TEXT",
         help="a Jinja chat template (a file, or the template itself) instead of the model's own",
@@ -254,6 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
         cuda_graphs=args.cuda_graphs,
+        compile_model=args.compile,
         chat_template=chat_template,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,

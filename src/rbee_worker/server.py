@@ -52,6 +52,7 @@ class ServeSettings:
     max_context: int | None
     kv_cache_bytes: int | None  # None: sized from the memory left after the weights
     cuda_graphs: bool
+    compile_model: bool
     chat_template: str | None
     drain_timeout_s: float
     stall_timeout_s: float
@@ -145,6 +146,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         max_queue=settings.max_queue,
         kv_cache_bytes=settings.kv_cache_bytes,
         cuda_graphs=settings.cuda_graphs,
+        compile_model=settings.compile_model,
         observer=metrics,
     )
     metrics.watch(engine)

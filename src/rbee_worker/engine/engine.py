@@ -25,7 +25,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -137,6 +137,7 @@ class Engine:
         prefill_chunk: int = 512,
         kv_cache_bytes: int | None = None,
         cuda_graphs: bool = True,
+        compile_model: bool = False,
         observer: EngineObserver | None = None,
     ) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -147,6 +148,7 @@ class Engine:
         # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
         self._use_cuda_graphs = cuda_graphs and not deterministic
         self._graphs: DecodeGraphs | None = None
+        self._compile = compile_model  # the forward through torch.compile, where CUDA graphs replay it
         self._observer = observer or _NoObserver()
         self._load = load
         self._loaded: LoadedModel | None = None
@@ -366,18 +368,19 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._pack_for_cpu(self._load())
+            self._model = self._forward_module = loaded.model
+            self._dtype = loaded.info.dtype
+            self._cache_kwarg = cache_kwarg(loaded.model)
             self._cache = self._allocate_cache(loaded)
-            self._prepare_graphs(loaded)
+            self._prepare_cuda(loaded)
             self._loaded = loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
             return
         finally:
             self._ready.set()
-        self._model = loaded.model
         self._eos = loaded.info.eos_token_ids
         self._free_slots = list(range(self.max_batch))
-        self._cache_kwarg = cache_kwarg(self._model)
         with torch.inference_mode():
             while self._admit(block=not self._active):
                 running = list(itertools.islice(self._active.values(), self.max_batch))
@@ -424,15 +427,42 @@ class Engine:
         weight_bytes = tensor_bytes(loaded.model) + packed_bytes(loaded.model)
         return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
 
-    def _prepare_graphs(self, loaded: LoadedModel) -> None:
-        """Capture the decode graphs for the common shapes before the worker reports ready."""
+    def _prepare_cuda(self, loaded: LoadedModel) -> None:
+        """On a GPU, before the worker reports ready: the forward compiled (torch.compile: inductor fuses the norms,
+        rotary embeddings, activations and attention glue that otherwise run as hundreds of small kernels), the decode
+        graphs captured for the common shapes, and a prefill run so that no request waits for a compilation."""
         if not (self._use_cuda_graphs and loaded.info.device.type == "cuda"):
             return
         started = time.perf_counter()
         with torch.inference_mode():
-            self._graphs = DecodeGraphs(loaded.model, self._cache, cache_kwarg(loaded.model), loaded.info.dtype)
-            self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
-        log.info("captured %d CUDA graphs in %.1f s", len(self._graphs.graphs), time.perf_counter() - started)
+            if self._compile:
+                try:
+                    self._forward_module = torch.compile(loaded.model, dynamic=True)
+                    self._warm_up()
+                except Exception as exc:  # e.g. no Triton for this GPU: slower, but it runs
+                    log.warning("torch.compile failed, running the model uncompiled: %s", str(exc).splitlines()[0])
+                    torch._dynamo.reset()
+                    self._forward_module, self._graphs = loaded.model, None
+            if self._graphs is None:
+                self._warm_up()
+        log.info(
+            "%s the forward, captured %d CUDA graphs in %.1f s",
+            "compiled" if self._forward_module is not loaded.model else "did not compile",
+            len(self._graphs.graphs),
+            time.perf_counter() - started,
+        )
+
+    def _warm_up(self) -> None:
+        """Capture the decode graphs up to GRAPH_WARM_SPAN and run prefill forwards of one and two rows, of different
+        lengths (a compiled forward is then compiled for any length)."""
+        self._graphs = DecodeGraphs(self._forward_module, self._cache, self._cache_kwarg, self._dtype)
+        self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
+        # Slots 0 and 1, which no request holds yet.
+        self._prompt_forward([0], [([0] * 16, 0)])
+        self._prompt_forward([0], [([0] * 48, 16)])
+        if self._cache.slots > 1:
+            self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
+        torch.cuda.synchronize(self._model.device)
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -455,31 +485,60 @@ class Engine:
                 item.send(Started(item.request.request_id, len(item.request.prompt_ids), item.seed))
 
     def _prefill(self, sequences: list[_Sequence]) -> None:
-        """Up to `prefill_chunk` prompt tokens, oldest request first, a forward per chunk; a sequence whose prompt
-        is complete samples its first token."""
+        """Up to `prefill_chunk` prompt tokens, oldest request first; a sequence whose prompt is complete samples its
+        first token. Chunks of several requests share a forward while their rows, padded to the longest chunk, hold
+        at most prefill_chunk tokens (many short prompts: one forward instead of one each); in deterministic mode
+        each chunk has a forward of its own."""
         budget = self.prefill_chunk
+        chunks: list[tuple[_Sequence, int, int]] = []  # (sequence, start, count)
         for sequence in sequences:
-            if budget <= 0:
-                return
             prompt = sequence.request.prompt_ids
             # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
             # that does not fit in what is left of the round's budget waits for the next round.
             room = self.prefill_chunk - sequence.cached % self.prefill_chunk if self.deterministic else budget
-            start, count = sequence.cached, min(room, len(prompt) - sequence.cached)
-            if count > budget:
-                return
+            count = min(room, len(prompt) - sequence.cached)
+            if count > budget or budget <= 0:
+                break
             budget -= count
-            with self._failing([sequence]):
-                positions = torch.arange(start, start + count, device=self._model.device)[None]
-                self._cache.prepare(sequence.slot, positions, start + count)
-                logits = self._forward(
-                    torch.tensor([prompt[start : start + count]], device=self._model.device),
-                    positions,
-                    prefill_mask(start, count, self._loaded.info.dtype, self._model.device),
-                )
+            chunks.append((sequence, sequence.cached, count))
+        group: list[tuple[_Sequence, int, int]] = []
+        for chunk in chunks:
+            width = max(count for _, _, count in (*group, chunk))
+            if group and (self.deterministic or (len(group) + 1) * width > self.prefill_chunk):
+                self._prefill_forward(group)
+                group = []
+            group.append(chunk)
+        if group:
+            self._prefill_forward(group)
+
+    def _prefill_forward(self, chunks: list[tuple[_Sequence, int, int]]) -> None:
+        """One forward over prompt chunks (sequence, start, count), a batch row each."""
+        sequences = [sequence for sequence, _, _ in chunks]
+        with self._failing(sequences):
+            pieces = [(s.request.prompt_ids[start : start + count], start) for s, start, count in chunks]
+            logits = self._prompt_forward([s.slot for s in sequences], pieces)
+            for row, (sequence, _, count) in enumerate(chunks):
                 sequence.cached += count
-                if sequence.cached == len(prompt):
-                    self._sample(sequence, logits[0])
+                if sequence.cached == len(sequence.request.prompt_ids):
+                    self._sample(sequence, logits[row])
+
+    def _prompt_forward(self, slots: list[int], pieces: list[tuple[Sequence[int], int]]) -> torch.Tensor:
+        """Row b feeds the token ids pieces[b][0] at positions pieces[b][1].. of slot slots[b]; rows are left-padded
+        to the longest (padding writes the scratch position), so the logits returned, one row each, follow each
+        row's last token."""
+        width = max(len(ids) for ids, _ in pieces)
+        tokens, positions = [], []
+        for ids, start in pieces:
+            pad = width - len(ids)
+            tokens.append([0] * pad + list(ids))
+            positions.append([self._cache.slot_len] * pad + list(range(start, start + len(ids))))
+        kv_len = max(start + len(ids) for ids, start in pieces)
+        device = self._model.device
+        position_ids = torch.tensor(positions, device=device)
+        self._cache.prepare_slots(slots, position_ids, kv_len)
+        starts, counts = [start for _, start in pieces], [len(ids) for ids, _ in pieces]
+        mask = prefill_mask(starts, counts, kv_len, self._dtype, device)
+        return self._forward(torch.tensor(tokens, device=device), position_ids, mask)
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         """One token for each sequence: one batched forward (a forward each in deterministic mode)."""
@@ -514,7 +573,7 @@ class Engine:
                 logits = self._forward(
                     torch.tensor(tokens, device=device)[:, None],
                     position_ids,
-                    decode_mask(torch.tensor(lengths, device=device), kv_len, self._loaded.info.dtype),
+                    decode_mask(torch.tensor(lengths, device=device), kv_len, self._dtype),
                 )
             for s in sequences:
                 s.cached += 1
@@ -542,7 +601,7 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The model's next-token logits for each batch row: (rows, vocab)."""
-        output = self._model(
+        output = self._forward_module(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,

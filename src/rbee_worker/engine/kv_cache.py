@@ -13,6 +13,8 @@ earlier sequence's), never the NaN that uninitialized memory could hold and that
 cancel.
 """
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PretrainedConfig
 
@@ -47,7 +49,8 @@ class SlotCache:
         for layer in (*self.keys, *self.values):
             layer[:, :, slot_len].zero_()  # the scratch position
             layer[:, :, 0].zero_()  # dummy rows attend to position 0 of their slot
-        self._first = self._rows = self._kv_len = 0
+        self._kv_len = self._first = self._count = 0  # the batch rows are slots _first.. _first + _count - 1
+        self._gather: torch.Tensor | None = None  # or, when they are not a contiguous range, these slots
         self._positions: torch.Tensor | None = None
         self.row_index: torch.Tensor | None = None  # the batch rows' slots, as a column
 
@@ -59,10 +62,17 @@ class SlotCache:
     def prepare(self, first_row: int, positions: torch.Tensor, kv_len: int) -> None:
         """Set up the next forward: its batch rows are slots first_row.. first_row + len(positions) - 1; row b's new
         tokens go to positions[b] (shape (rows, new tokens)); attention reads positions [0, kv_len)."""
+        self.prepare_slots(range(first_row, first_row + positions.shape[0]), positions, kv_len)
+
+    def prepare_slots(self, slots: Sequence[int], positions: torch.Tensor, kv_len: int) -> None:
+        """As prepare, for batch rows that are any slots: attention then reads a gathered copy of those slots (a
+        contiguous range is read in place)."""
         self._ensure_zeroed(kv_len)
-        self._first, self._rows, self._kv_len = first_row, positions.shape[0], kv_len
-        self._positions = positions
-        self.row_index = torch.arange(first_row, first_row + self._rows, device=positions.device)[:, None]
+        self._kv_len, self._positions = kv_len, positions
+        self.row_index = torch.tensor(slots, device=positions.device)[:, None]
+        self._first, self._count = slots[0], len(slots)
+        contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
+        self._gather = None if contiguous else self.row_index[:, 0]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -70,7 +80,8 @@ class SlotCache:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys[self.row_index, :, self._positions] = key_states.transpose(1, 2)
         values[self.row_index, :, self._positions] = value_states.transpose(1, 2)
-        rows = slice(self._first, self._first + self._rows)
+        # Ints and None, not a slice object: torch.compile then treats the row count as dynamic, not a constant.
+        rows = slice(self._first, self._first + self._count) if self._gather is None else self._gather
         return keys[rows, :, : self._kv_len], values[rows, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -90,11 +101,20 @@ def decode_mask(lengths: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch
     return _additive(visible, dtype)[:, None, None, :]
 
 
-def prefill_mask(start: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(1, 1, count, start + count) causal mask for `count` new tokens after `start` cached ones."""
-    queries = torch.arange(start, start + count, device=device)[:, None]
-    visible = torch.arange(start + count, device=device)[None, :] <= queries
-    return _additive(visible, dtype)[None, None]
+def prefill_mask(
+    starts: Sequence[int], counts: Sequence[int], kv_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """(rows, 1, width, kv_len) causal mask for prompt chunks of several sequences in one forward: row b holds
+    counts[b] new tokens after starts[b] cached ones, left-padded to the longest chunk (width), so that every row's
+    last column is its last new token. A padding query sees position 0 only, so that its softmax stays finite."""
+    width = max(counts)
+    pad = torch.tensor([width - count for count in counts], device=device)[:, None]
+    column = torch.arange(width, device=device)[None, :]
+    query = torch.tensor(starts, device=device)[:, None] + column - pad  # each query's position in its sequence
+    real = (column >= pad)[:, :, None]
+    keys = torch.arange(kv_len, device=device)[None, None, :]
+    visible = torch.where(real, keys <= query[:, :, None], keys == 0)
+    return _additive(visible, dtype)[:, None]
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

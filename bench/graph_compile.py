@@ -1,0 +1,72 @@
+"""One decode step replayed as a CUDA graph (the engine's DecodeGraphs), the model plain against the model through
+torch.compile (inductor kernels inside the same graph), for a few (rows, attention span) buckets. GPU only.
+
+    PYTHONPATH=src python bench/graph_compile.py --model M [--dynamic]
+
+Without --dynamic each shape is compiled for itself (a fair kernel-level comparison); with it, the engine's own
+setting (`torch.compile(dynamic=True)`, one compilation for all shapes). Prints each step time (median of 3 x 50
+replays) and writes bench/results/graph_compile_<model>_<card>.json.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.cuda_graphs import DecodeGraphs
+from rbee_worker.engine.engine import cache_kwarg
+from rbee_worker.engine.kv_cache import SlotCache
+from rbee_worker.models.loader import load_model
+
+SHAPES = ((1, 1024), (64, 1024))
+
+
+def step_seconds(graphs: DecodeGraphs, rows: int, span: int) -> float:
+    graph, _, _ = graphs._graph(rows, span)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - started) / 50)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dynamic", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    model = load_model(args.model, resolve_placement("cuda", "bfloat16")).model
+    cache = SlotCache(model.config, max(r for r, _ in SHAPES), 2048, torch.bfloat16, model.device)
+    card = torch.cuda.get_device_name(model.device)
+    result: dict = {"model": args.model, "card": card, "torch": torch.__version__, "dynamic": args.dynamic, "rows": []}
+    with torch.inference_mode():
+        plain = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)
+        compiled = DecodeGraphs(torch.compile(model, dynamic=args.dynamic), cache, cache_kwarg(model), torch.bfloat16)
+        for rows, span in SHAPES:
+            eager_s = step_seconds(plain, rows, span)
+            started = time.perf_counter()
+            compiled._graph(rows, span)
+            compile_s = time.perf_counter() - started
+            compiled_s = step_seconds(compiled, rows, span)
+            row = {"rows": rows, "span": span, "plain_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3,
+                   "compile_and_capture_s": compile_s}  # fmt: skip
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"graph_compile_{Path(args.model).stem}_{card.replace(' ', '_')}{'_dynamic' if args.dynamic else ''}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
