@@ -118,3 +118,24 @@ def greedy(engine, prompt_ids: Sequence[int], max_tokens: int):
     events = list(engine.stream(request))
     assert isinstance(events[-1], End), events[-1]
     return [i for e in events if isinstance(e, Token) for i in e.token_ids], events[-1]
+
+
+def submit_together(engine, requests: Sequence, timeout: float = 120) -> list[list[int]]:
+    """Submit all `requests` at once (engine.submit, no waiting in between), then each one's token ids, in order;
+    every request must end with End."""
+    import queue
+
+    from rbee_worker.engine.types import End, Error, Token
+
+    streams = [queue.SimpleQueue() for _ in requests]
+    for request, events in zip(requests, streams, strict=True):
+        engine.submit(request, events.put)
+    results = []
+    for events in streams:
+        ids = []
+        while not isinstance(event := events.get(timeout=timeout), End | Error):
+            if isinstance(event, Token):
+                ids.extend(event.token_ids)
+        assert isinstance(event, End), event
+        results.append(ids)
+    return results

@@ -1,17 +1,16 @@
 """CUDA parity on a random-weight Llama (fixed seed, demo tokenizer). Skipped where there is no CUDA GPU (CI)."""
 
 import functools
-import queue
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy, make_tiny_model
+from conftest import greedy, make_tiny_model, submit_together
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Error, Request, Token
+from rbee_worker.engine.types import Request
 from rbee_worker.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -93,19 +92,10 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
             compile_model=compile_model,
         )
         try:
-            streams = [queue.SimpleQueue() for _ in PROMPTS]
-            for prompt, events in zip(PROMPTS, streams, strict=True):
-                request = Request(engine.tokenize(prompt), max_tokens=48, sampling=SamplingParams(temperature=0))
-                engine.submit(request, events.put)
-            tokens = []
-            for events in streams:
-                ids = []
-                while not isinstance(event := events.get(timeout=300), End | Error):
-                    if isinstance(event, Token):
-                        ids.extend(event.token_ids)
-                assert isinstance(event, End), event
-                tokens.append(ids)
-            results.append(tokens)
+            greedy_requests = [
+                Request(engine.tokenize(p), max_tokens=48, sampling=SamplingParams(temperature=0)) for p in PROMPTS
+            ]
+            results.append(submit_together(engine, greedy_requests, timeout=300))
             # The path under test really ran.
             assert (engine._graphs is not None) is graphs
             assert (engine._forward_module is not engine.loaded.model) is (graphs and compile_model)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import submit_together
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
@@ -187,17 +188,7 @@ def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) ->
         blocker = queue.SimpleQueue()
         engine.submit(Request(long_prompt, max_tokens=1, sampling=GREEDY), blocker.put)
         assert prefilling.wait(timeout=60)
-        streams = [queue.SimpleQueue() for _ in requests]
-        for request, events in zip(requests, streams, strict=True):
-            engine.submit(request, events.put)
-        batched = []
-        for events in streams:
-            ids = []
-            while not isinstance(event := events.get(timeout=120), End | Error):
-                if isinstance(event, Token):
-                    ids.extend(event.token_ids)
-            assert isinstance(event, End), event
-            batched.append(ids)
+        batched = submit_together(engine, requests)
         assert rows == [1, 3]  # the long prompt alone, then the three together
         assert batched == solo
     finally:

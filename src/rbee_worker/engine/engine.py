@@ -446,9 +446,9 @@ class Engine:
             if self._graphs is None:
                 self._warm_up()
         log.info(
-            "%s the forward, captured %d CUDA graphs in %.1f s",
-            "compiled" if self._forward_module is not loaded.model else "did not compile",
+            "captured %d CUDA graphs of the %s forward in %.1f s",
             len(self._graphs.graphs),
+            "plain" if self._forward_module is loaded.model else "compiled",
             time.perf_counter() - started,
         )
 
