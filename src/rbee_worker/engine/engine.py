@@ -122,6 +122,9 @@ class _Sequence:
 class Engine:
     """Runs `load` and then every forward pass on its own thread.
 
+    The engine owns the model that `load` returns and may change it in place (on a CPU its linear layers are
+    swapped for oneDNN-packed ones), so `load` must not hand over a model that is used elsewhere.
+
     Loading happens on the engine thread too because the thread that first runs torch's CPU kernels keeps them
     fast: measured here, decoding on a thread other than the one that loaded the model ran at half the speed
     (20 vs 44 tok/s, demo model, fp16, 2 cores), while loading and decoding on one thread matched the main thread.
