@@ -66,6 +66,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: bfloat16 on CUDA and CPU (measured fastest for batches and prompts there), float16 on MPS",
     )
     group.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "int4"],
+        help="int4: a GGUF file's Q4_0 / Q4_1 matrices stay 4-bit (the file's codes; scales rounded to bfloat16), run "
+        "by PyTorch's int4 CPU kernel; CPU and bfloat16 only for now (default: none, weights dequantized)",
+    )
+    group.add_argument(
         "--deterministic",
         action="store_true",
         help="batch-invariant mode: a request's tokens never depend on other running requests",
@@ -259,6 +266,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         max_context=args.max_context,
+        quantize=args.quantize,
         kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
         cuda_graphs=args.cuda_graphs,
         compile_model=args.compile,
@@ -303,7 +311,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from rbee_worker.models.loader import load_model
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
-    engine = Engine(lambda: load_model(args.model, placement), deterministic=args.deterministic)
+    engine = Engine(lambda: load_model(args.model, placement, quantize=args.quantize), deterministic=args.deterministic)
     try:
         info = engine.loaded.info
         log.info(

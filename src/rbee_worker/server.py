@@ -50,6 +50,7 @@ class ServeSettings:
     max_batch: int
     max_queue: int
     max_context: int | None
+    quantize: str  # none | int4
     kv_cache_bytes: int | None  # None: sized from the memory left after the weights
     cuda_graphs: bool
     compile_model: bool
@@ -140,7 +141,14 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
     progress = LoadProgress()
     metrics = Metrics()
     engine = Engine(
-        lambda: load_model(settings.model, settings.placement, progress, settings.max_context, settings.chat_template),
+        lambda: load_model(
+            settings.model,
+            settings.placement,
+            progress,
+            settings.max_context,
+            settings.chat_template,
+            settings.quantize,
+        ),
         deterministic=settings.deterministic,
         max_batch=settings.max_batch,
         max_queue=settings.max_queue,

@@ -6,6 +6,7 @@ unpack every block at once. The arithmetic mirrors `gguf.quants` (the numpy refe
 float32 and without fused multiply-adds, so the results are bit-identical to it; other dtypes are one final cast.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -151,31 +152,58 @@ def dequantize(
 
     `raw` may be a view into a read-only mmap: it is only read, and the result never aliases it.
     """
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"raw must be a uint8 tensor, got {raw.dtype}")
     if ggml_type not in SUPPORTED_TYPES:
         supported = ", ".join(type_name(t) for t in sorted(SUPPORTED_TYPES))
         raise ModelLoadError(
             f"GGML type {type_name(ggml_type)} is not supported by rbee-worker (it reads {supported}); "
             "use a GGUF quantized to one of those"
         )
+    if math.prod(shape) == 0:  # legal in GGUF; the block reshapes below cannot infer a size from nothing
+        _check_size(raw, ggml_type, shape)
+        return torch.empty(shape, dtype=dtype, device=raw.device)
+    if (float_dtype := _FLOAT_TYPES.get(ggml_type)) is not None:
+        return _blocks(raw, ggml_type, shape).reshape(-1).view(float_dtype).to(dtype, copy=True).view(shape)
+    values = _BLOCK_DEQUANTIZERS[ggml_type](_blocks(raw, ggml_type, shape))
+    return values.view(shape).to(dtype)
+
+
+# The types whose blocks are 32 four-bit codes with one scale (and offset): w = (q - 8) * scale + zero exactly.
+INT4_GROUP_TYPES = frozenset({_T.Q4_0, _T.Q4_1})
+INT4_GROUP = 32
+
+
+def int4_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """A Q4_0 / Q4_1 matrix as it is stored, without dequantizing: codes (rows, cols) uint8 in 0..15, and per group
+    of 32 along a row a scale and a zero (rows, cols / 32) in float32, such that w = (q - 8) * scale + zero equals
+    `dequantize` exactly (Q4_0: scale d, zero 0; Q4_1: w = q * d + m, so zero = m + 8 d, exact in float32)."""
+    if ggml_type not in INT4_GROUP_TYPES:
+        raise ValueError(f"{type_name(ggml_type)} is not a 4-bit group type")
+    blocks = _blocks(raw, ggml_type, shape)
+    rows, cols = shape
+    offset = 2 if ggml_type == _T.Q4_0 else 4
+    codes = _unpack(blocks[:, offset:], 16, 4).reshape(rows, cols)
+    scales = _f16(blocks, 0)
+    zeros = torch.zeros_like(scales) if ggml_type == _T.Q4_0 else _f16(blocks, 2) + 8 * scales
+    return codes, scales.reshape(rows, cols // INT4_GROUP), zeros.reshape(rows, cols // INT4_GROUP)
+
+
+def _check_size(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> None:
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"raw must be a uint8 tensor, got {raw.dtype}")
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    n_elements = 1
-    for dim in shape:
-        n_elements *= dim
     # Blocks never span rows: ggml requires each row (the last dim) to be whole blocks.
-    if (shape[-1] if shape else 1) % block_size or raw.numel() != n_elements // block_size * type_size:
+    if (shape[-1] if shape else 1) % block_size or raw.numel() != math.prod(shape) // block_size * type_size:
         raise ModelLoadError(
             f"{type_name(ggml_type)} data of {raw.numel()} bytes does not match shape {tuple(shape)}; "
             "the model is corrupt"
         )
-    if n_elements == 0:  # legal in GGUF; the block reshapes below cannot infer a size from nothing
-        return torch.empty(shape, dtype=dtype, device=raw.device)
+
+
+def _blocks(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of a non-empty tensor as (n_blocks, bytes per block), after checking their count."""
+    _check_size(raw, ggml_type, shape)
     raw = raw.reshape(-1)
     # torch reinterprets bytes as wider dtypes only at offsets aligned to the item size (at most 4 bytes here).
     if raw.storage_offset() % 4:
         raw = raw.clone()
-    if (float_dtype := _FLOAT_TYPES.get(ggml_type)) is not None:
-        return raw.view(float_dtype).to(dtype, copy=True).view(shape)
-    values = _BLOCK_DEQUANTIZERS[ggml_type](raw.view(-1, type_size))
-    return values.view(shape).to(dtype)
+    return raw.view(-1, GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1])

@@ -16,9 +16,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.dequant import dequantize
+from rbee_worker.models.dequant import INT4_GROUP_TYPES, dequantize, int4_groups
 from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
+from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
 
@@ -58,7 +59,11 @@ CONFIG_KEYS = {
 }
 
 
-def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> LoadedModel:
+def load_gguf(
+    path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, keep_int4: bool = False
+) -> LoadedModel:
+    """The model of a GGUF file on `device`, its weights dequantized to `dtype`; with keep_int4, its Q4_0 / Q4_1
+    matrices become Int4Linear layers instead (the caller checks int4_supported)."""
     file = read_gguf(path)
     arch = file.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -73,8 +78,9 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: Lo
     tokenizer = build_tokenizer(file.metadata)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
-        skeleton = model_class(config)
-    state_dict = gguf_state_dict(file, arch, skeleton, config, device, dtype, progress)
+        expected = model_class(config).state_dict()
+    sources = tensor_sources(file, arch, expected, config)
+    state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress)
     try:
         model, loading_info = model_class.from_pretrained(
             None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
@@ -92,6 +98,9 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: Lo
         )
     if ROPE_FACTORS in file.tensors:
         apply_rope_factors(model, file.load(ROPE_FACTORS))
+    model = model.to(device)
+    if keep_int4:
+        swap_in_int4(model, file, arch, config, sources)
     info = {
         "name": path.stem,
         "path": path,
@@ -101,7 +110,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, progress: Lo
         "eos_token_ids": eos_ids(config.eos_token_id, tokenizer.eos_token_id, end_token_ids(file)),
         "dtype": dtype,
     }
-    return finish(model.to(device), tokenizer, info, device)
+    return finish(model, tokenizer, info, device)
 
 
 def gguf_config(file: GGUFFile, arch: str) -> PretrainedConfig:
@@ -159,18 +168,12 @@ def end_token_ids(file: GGUFFile) -> list[int]:
     return [i for i in ids if type(i) is int and 0 <= i < n_tokens]
 
 
-def gguf_state_dict(
-    file: GGUFFile,
-    arch: str,
-    skeleton: torch.nn.Module,
-    config: PretrainedConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    progress: LoadProgress,
-) -> dict[str, torch.Tensor]:
-    """Map GGUF tensor names to the model's parameter names and dequantize each tensor onto `device`."""
+def tensor_sources(
+    file: GGUFFile, arch: str, expected: dict[str, torch.Tensor], config: PretrainedConfig
+) -> dict[str, str]:
+    """Model parameter name -> GGUF tensor name, for every parameter the file holds; refuses a file with tensors
+    the model has no place for."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
-    expected = skeleton.state_dict()
     sources: dict[str, str] = {}  # model parameter -> GGUF tensor
     for hf_name in expected:
         base, _, suffix = hf_name.rpartition(".")
@@ -186,6 +189,20 @@ def gguf_state_dict(
             f"(e.g. {unused[0]}), so it would not compute what llama.cpp computes; use the model's Hugging Face "
             "directory instead"
         )
+    return sources
+
+
+def gguf_state_dict(
+    file: GGUFFile,
+    arch: str,
+    sources: dict[str, str],
+    expected: dict[str, torch.Tensor],
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: LoadProgress,
+) -> dict[str, torch.Tensor]:
+    """Dequantize each source tensor onto `device`, under the model's parameter names."""
     state: dict[str, torch.Tensor] = {}
     for hf_name, name in sources.items():
         info, meta_tensor = file.tensors[name], expected[hf_name]
@@ -200,12 +217,37 @@ def gguf_state_dict(
         except ModelLoadError as exc:  # dequantize does not know which file and tensor it was given
             raise ModelLoadError(f"{file.path.name}: tensor {name}: {exc}") from exc
         # After the shape check: the permutation keeps the shape but needs rows divisible by 2 * heads.
-        if arch in PERMUTED_QK and name.rpartition(".")[0].endswith(("attn_q", "attn_k")):
-            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+        if heads := permuted_heads(arch, name, config):
             tensor = unpermute_rotary(tensor, heads)
         state[hf_name] = tensor
         progress.add(tensor.nbytes)
     return state
+
+
+def permuted_heads(arch: str, name: str, config: PretrainedConfig) -> int | None:
+    """The head count to undo llama.cpp's rotary permutation of tensor `name` with, or None when it has none."""
+    if arch not in PERMUTED_QK or not name.rpartition(".")[0].endswith(("attn_q", "attn_k")):
+        return None
+    return config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+
+
+def swap_in_int4(
+    model: torch.nn.Module, file: GGUFFile, arch: str, config: PretrainedConfig, sources: dict[str, str]
+) -> None:
+    """Swap every linear layer whose weight the file stores as Q4_0 / Q4_1 for an Int4Linear built from the stored
+    codes and scales; the dequantized weight is then freed. Embeddings stay dequantized."""
+    modules = dict(model.named_modules())
+    for hf_name, name in sources.items():
+        info = file.tensors[name]
+        module_name, _, kind = hf_name.rpartition(".")
+        linear = modules.get(module_name)
+        if kind != "weight" or info.ggml_type not in INT4_GROUP_TYPES or type(linear) is not torch.nn.Linear:
+            continue
+        parts = int4_groups(file.raw(name), info.ggml_type, info.shape)
+        if heads := permuted_heads(arch, name, config):
+            parts = tuple(unpermute_rotary(part, heads) for part in parts)
+        parent, _, child = module_name.rpartition(".")
+        setattr(modules[parent], child, Int4Linear(*parts, linear.bias))
 
 
 def apply_rope_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ import torch
 from rbee_worker.devices import Placement, check_placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.demo import demo_model_path
+from rbee_worker.models.int4_linear import int4_supported
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.progress import LoadProgress
 
@@ -60,11 +61,13 @@ def load_model(
     progress: LoadProgress | None = None,
     max_context: int | None = None,
     chat_template: str | None = None,
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message.
 
     `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory);
-    `chat_template` (Jinja text) replaces the model's own.
+    `chat_template` (Jinja text) replaces the model's own; `quantize` "int4" keeps a GGUF file's 4-bit matrices
+    4-bit (see models/int4_linear.py).
     """
     import transformers
 
@@ -78,11 +81,17 @@ def load_model(
     started = time.perf_counter()
     progress = progress or LoadProgress()
     path = resolve_model_path(spec)
+    if quantize == "int4" and not int4_supported(placement.device, placement.dtype):
+        raise ModelLoadError(
+            "--quantize int4 runs on the CPU in bfloat16 only, for now: add --device cpu --dtype bfloat16"
+        )
     try:
         if path.is_dir():
+            if quantize != "none":
+                raise ModelLoadError(f"--quantize {quantize} is for GGUF files only, for now; {path} is a directory")
             loaded = load_hf_directory(path, placement.device, placement.dtype, progress)
         elif path.is_file() and is_gguf(path):
-            loaded = load_gguf(path, placement.device, placement.dtype, progress)
+            loaded = load_gguf(path, placement.device, placement.dtype, progress, keep_int4=quantize == "int4")
         else:
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     except torch.OutOfMemoryError as exc:
