@@ -78,6 +78,10 @@ def test_demo_matrices_stay_4_bit_within_1_3x_the_file(int4_demo, demo_gguf: Pat
     assert len(layers) == 30 * 7
     assert not any(type(m) is torch.nn.Linear and m is not int4_demo.model.lm_head for m in int4_demo.model.modules())
     assert int4_demo.info.weight_bytes <= 1.3 * os.path.getsize(demo_gguf)
+    # The 4-bit matrices were never dequantized: their placeholders (one zero expanded to the weight's shape) are
+    # all gone, every parameter left has memory of its own.
+    for name, parameter in int4_demo.model.named_parameters():
+        assert parameter.untyped_storage().nbytes() >= parameter.nbytes, name
 
 
 def test_demo_logits_stay_as_close_to_float32_as_bfloat16(int4_demo, demo_gguf: Path) -> None:

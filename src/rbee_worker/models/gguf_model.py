@@ -19,7 +19,7 @@ from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.dequant import INT4_GROUP_TYPES, dequantize, int4_groups
 from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
-from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.models.int4_linear import INT4_BYTES_PER_WEIGHT, Int4Linear
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
 
@@ -72,15 +72,20 @@ def load_gguf(
             "use the model's Hugging Face directory instead"
         )
     config = gguf_config(file, arch)
-    elements = sum(math.prod(t.shape) for t in file.tensors.values())
-    check_fits(elements * dtype.itemsize, device, f"the weights of {path.name} (dequantized to {dtype})")
-    progress.expect(config.num_hidden_layers, elements * dtype.itemsize)
     tokenizer = build_tokenizer(file.metadata)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
-        expected = model_class(config).state_dict()
+        skeleton = model_class(config)
+    expected = skeleton.state_dict()
     sources = tensor_sources(file, arch, expected, config)
-    state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress)
+    kept = int4_weights(file, sources, skeleton) if keep_int4 else {}
+    weight_bytes = sum(
+        math.prod(info.shape) * (INT4_BYTES_PER_WEIGHT if name in kept.values() else dtype.itemsize)
+        for name, info in file.tensors.items()
+    )
+    check_fits(int(weight_bytes), device, f"the weights of {path.name} (dequantized to {dtype})")
+    progress.expect(config.num_hidden_layers, int(weight_bytes))
+    state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress, set(kept))
     try:
         model, loading_info = model_class.from_pretrained(
             None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
@@ -96,11 +101,11 @@ def load_gguf(
             f"{path.name} lacks {len(missing)} tensor(s) that its {arch} architecture needs (e.g. {missing[0]}); "
             "the file is incomplete: download or convert the model again"
         )
+    if kept:
+        swap_in_int4(model, file, arch, config, kept, progress)
     if ROPE_FACTORS in file.tensors:
         apply_rope_factors(model, file.load(ROPE_FACTORS))
     model = model.to(device)
-    if keep_int4:
-        swap_in_int4(model, file, arch, config, sources)
     info = {
         "name": path.stem,
         "path": path,
@@ -201,8 +206,10 @@ def gguf_state_dict(
     device: torch.device,
     dtype: torch.dtype,
     progress: LoadProgress,
+    placeholders: set[str],
 ) -> dict[str, torch.Tensor]:
-    """Dequantize each source tensor onto `device`, under the model's parameter names."""
+    """Dequantize each source tensor onto `device`, under the model's parameter names; the `placeholders` (weights
+    that swap_in_int4 replaces next) become one zero expanded to their shape, so that they take no memory."""
     state: dict[str, torch.Tensor] = {}
     for hf_name, name in sources.items():
         info, meta_tensor = file.tensors[name], expected[hf_name]
@@ -211,6 +218,9 @@ def gguf_state_dict(
                 f"{file.path.name}: tensor {name} has shape {info.shape}, the architecture expects "
                 f"{tuple(meta_tensor.shape)}; the file's metadata and tensors disagree"
             )
+        if hf_name in placeholders:
+            state[hf_name] = torch.zeros((), dtype=dtype, device=device).expand(info.shape)
+            continue
         # Dequantize where the model will live: on a GPU this is fast and the host never holds a float copy.
         try:
             tensor = dequantize(file.raw(name).to(device), info.ggml_type, info.shape, dtype)
@@ -231,23 +241,38 @@ def permuted_heads(arch: str, name: str, config: PretrainedConfig) -> int | None
     return config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
 
 
+def int4_weights(file: GGUFFile, sources: dict[str, str], skeleton: torch.nn.Module) -> dict[str, str]:
+    """The linear layers' weights (parameter name -> GGUF tensor) that the file stores as Q4_0 / Q4_1; embeddings
+    stay dequantized."""
+    linear = {f"{name}.weight" for name, module in skeleton.named_modules() if type(module) is torch.nn.Linear}
+    return {
+        hf_name: name
+        for hf_name, name in sources.items()
+        if hf_name in linear and file.tensors[name].ggml_type in INT4_GROUP_TYPES
+    }
+
+
 def swap_in_int4(
-    model: torch.nn.Module, file: GGUFFile, arch: str, config: PretrainedConfig, sources: dict[str, str]
+    model: torch.nn.Module,
+    file: GGUFFile,
+    arch: str,
+    config: PretrainedConfig,
+    weights: dict[str, str],
+    progress: LoadProgress,
 ) -> None:
-    """Swap every linear layer whose weight the file stores as Q4_0 / Q4_1 for an Int4Linear built from the stored
-    codes and scales; the dequantized weight is then freed. Embeddings stay dequantized."""
+    """Replace the linear layer of each of `weights` (parameter name -> GGUF tensor) by an Int4Linear built from the
+    stored codes and scales."""
     modules = dict(model.named_modules())
-    for hf_name, name in sources.items():
+    for hf_name, name in weights.items():
         info = file.tensors[name]
-        module_name, _, kind = hf_name.rpartition(".")
-        linear = modules.get(module_name)
-        if kind != "weight" or info.ggml_type not in INT4_GROUP_TYPES or type(linear) is not torch.nn.Linear:
-            continue
+        module_name = hf_name.removesuffix(".weight")
         parts = int4_groups(file.raw(name), info.ggml_type, info.shape)
         if heads := permuted_heads(arch, name, config):
             parts = tuple(unpermute_rotary(part, heads) for part in parts)
+        layer = Int4Linear(*parts, modules[module_name].bias)
         parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, Int4Linear(*parts, linear.bias))
+        setattr(modules[parent], child, layer)
+        progress.add(layer.packed.nbytes + layer.scales_and_zeros.nbytes)
 
 
 def apply_rope_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:

@@ -12,6 +12,9 @@ import torch
 
 from rbee_worker.models.dequant import INT4_GROUP
 
+# Half a byte of code plus a bfloat16 scale and zero per group of 32.
+INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / INT4_GROUP
+
 
 class Int4Linear(torch.nn.Module):
     """y = x W^T + b, W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32], in bfloat16."""
