@@ -5,6 +5,7 @@ about half speed (see engine.py). Set beside `rbee-worker bench` (the same figur
 how much the HTTP layer, the engine's host work and the forward each cost.
 
     python bench/step_time.py --model M --device cuda|cpu --dtype bfloat16 [--threads 2] [--concurrency 1,16,64]
+        [--compile]
 
 Prints a table and writes bench/results/step_time_<model>_<device>_<card or cpu>.json (medians of --repeats).
 """
@@ -12,7 +13,6 @@ Prints a table and writes bench/results/step_time_<model>_<device>_<card or cpu>
 import argparse
 import json
 import logging
-import platform
 import statistics
 import threading
 import time
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rbee_worker.benchmark.run import cpu_name
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="the engine's --compile (torch.compile in the graphs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the engine's start-up steps
@@ -72,14 +74,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     placement = resolve_placement(args.device, args.dtype)
-    engine = Engine(lambda: load_model(args.model, placement), max_batch=max(concurrency))
+    engine = Engine(lambda: load_model(args.model, placement), max_batch=max(concurrency), compile_model=args.compile)
     loaded = engine.loaded  # after the cache and the graphs
     device, model = loaded.info.device, loaded.model
     vocab = len(loaded.tokenizer)
     long_prompt = tuple(range(1000, 1000 + args.prompt_tokens))
     short = tuple(range(2000, 2016))
     result: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "torch": torch.__version__}
-    result["card"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    result["compiled"] = engine._forward_module is not model
+    result["card"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
     # The forward alone: one bare forward over the long prompt; a decode step with a dynamic cache.
     ids = torch.tensor([long_prompt], device=device)
@@ -137,6 +140,7 @@ def main() -> None:
         print(f"{key:<32} {value:.4f}" if isinstance(value, float) else f"{key:<32} {value}")
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"step_time_{Path(args.model).stem}_{args.device.replace(':', '')}_{result['card'].replace(' ', '_')}"
+    name += "_compiled" if result["compiled"] else ""
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
