@@ -287,7 +287,8 @@ def expire_unclaimed(state: WorkerState, job: Job) -> None:
 
 
 async def progress_events(state: WorkerState) -> AsyncIterator[str]:
-    """GET /v1/loading/progress: a loading event whenever the count moves, then ready (or error) and [DONE]."""
+    """GET /v1/loading/progress: a loading event whenever the count moves (once the loader knows the totals: a
+    0-of-0 event would tell a client nothing and divide by zero), then ready (or error) and [DONE]."""
     engine, progress = state.engine, state.progress
     last: dict | None = None
     while True:
@@ -298,7 +299,7 @@ async def progress_events(state: WorkerState) -> AsyncIterator[str]:
             "layers_total": progress.layers_total,
             "memory_mb": round(progress.bytes_loaded / 2**20, 1),
         }
-        if snapshot != last and (not finished or last is not None):
+        if progress.layers_total and snapshot != last and (not finished or last is not None):
             yield f"data: {json.dumps(snapshot)}\n\n"
             last = snapshot
         if finished:
