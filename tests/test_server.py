@@ -32,6 +32,7 @@ from serving import (
     free_port,
     launch,
     read_rest,
+    running,
     sse_events,
     take_tokens,
 )
@@ -57,13 +58,8 @@ CANCEL_LATENCY_S = 1.0  # the brief's bound for "the stream ends / the slot is f
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """One worker with default --worker-id and --model-ref, shared by the module; it must exit 0 on SIGTERM."""
-    worker = launch(tmp_path_factory.mktemp("server"))
-    try:
-        worker.wait_healthy()
+    with running(tmp_path_factory.mktemp("server")) as worker:
         yield worker
-    finally:
-        code = worker.stop()
-    assert code == 0, f"exit code {code} after SIGTERM:\n{worker.stderr()}"
 
 
 @pytest.fixture(scope="module")

@@ -456,15 +456,16 @@ class Engine:
         )
 
     def _warm_up(self) -> None:
-        """Capture the decode graphs up to GRAPH_WARM_SPAN and run prefill forwards of one and two rows, of different
-        lengths (a compiled forward is then compiled for any length)."""
+        """Capture the decode graphs up to GRAPH_WARM_SPAN; a compiled forward also runs prefill forwards of one and
+        two rows, of different lengths, so that it is compiled for any length before the first request."""
         self._graphs = DecodeGraphs(self._forward_module, self._cache, self._cache_kwarg, self._dtype)
         self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
-        # Slots 0 and 1, which no request holds yet.
-        self._prompt_forward([0], [([0] * 16, 0)])
-        self._prompt_forward([0], [([0] * 48, 16)])
-        if self._cache.slots > 1:
-            self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
+        if self._forward_module is not self._model:
+            # Slots 0 and 1, which no request holds yet.
+            self._prompt_forward([0], [([0] * 16, 0)])
+            self._prompt_forward([0], [([0] * 48, 16)])
+            if self._cache.slots > 1:
+                self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
         torch.cuda.synchronize(self._model.device)
 
     def _admit(self, block: bool) -> bool:

@@ -72,19 +72,20 @@ def load_gguf(
             "use the model's Hugging Face directory instead"
         )
     config = gguf_config(file, arch)
-    tokenizer = build_tokenizer(file.metadata)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):
         skeleton = model_class(config)
     expected = skeleton.state_dict()
     sources = tensor_sources(file, arch, expected, config)
     kept = int4_weights(file, sources, skeleton) if keep_int4 else {}
+    kept_tensors = set(kept.values())
     weight_bytes = sum(
-        math.prod(info.shape) * (INT4_BYTES_PER_WEIGHT if name in kept.values() else dtype.itemsize)
+        math.prod(info.shape) * (INT4_BYTES_PER_WEIGHT if name in kept_tensors else dtype.itemsize)
         for name, info in file.tensors.items()
     )
     check_fits(int(weight_bytes), device, f"the weights of {path.name} (dequantized to {dtype})")
     progress.expect(config.num_hidden_layers, int(weight_bytes))
+    tokenizer = build_tokenizer(file.metadata)
     state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress, set(kept))
     try:
         model, loading_info = model_class.from_pretrained(
