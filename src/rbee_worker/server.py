@@ -161,7 +161,8 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
     state = WorkerState(
         engine=engine,
         worker_id=worker_id,
-        model_ref=settings.model_ref or settings.model,
+        model_spec=settings.model,
+        model_ref_flag=settings.model_ref,
         progress=progress,
         stall_timeout_s=settings.stall_timeout_s,
         unclaimed_job_timeout_s=settings.unclaimed_job_timeout_s,
@@ -198,7 +199,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
         server.should_exit = True
 
     async def lifecycle() -> None:
-        """Wait for the model, name it, register with the pool manager, then beat until the server stops."""
+        """Wait for the model, register with the pool manager, then beat until the server stops."""
         while not engine.load_finished:  # polled, not awaited in a thread that a shutdown would have to join
             await asyncio.sleep(POLL_S)
         try:
@@ -207,8 +208,6 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
             failures.append(exc)
             server.should_exit = True
             return
-        if settings.model_ref is None:
-            state.model_ref = loaded.info.name
         url = advertised_url(settings.host, port, settings.callback_url)
         log.info(
             "ready: %s on %s at %s (loaded in %.2f s)",

@@ -59,7 +59,8 @@ class Job:
 class WorkerState:
     engine: Engine
     worker_id: str
-    model_ref: str
+    model_spec: str  # MODEL as given
+    model_ref_flag: str | None = None  # --model-ref; None: the loaded model's own name
     progress: LoadProgress = field(default_factory=LoadProgress)
     stall_timeout_s: float = 120.0  # an engine with work and no finished step for this long is unhealthy
     unclaimed_job_timeout_s: float = 60.0  # a job API job whose stream nobody opens is cancelled after this
@@ -68,6 +69,14 @@ class WorkerState:
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time: /v1/models' `created`
     jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end
     open_streams: int = 0  # SSE job streams being written
+
+    @property
+    def model_ref(self) -> str:
+        """--model-ref, else the model's own name, known from the moment the engine reports it loaded (so /health,
+        /v1/models and request checks never see MODEL in its place); MODEL as given before that."""
+        if self.model_ref_flag is not None:
+            return self.model_ref_flag
+        return self.engine.loaded.info.name if self.engine.is_loaded else self.model_spec
 
     def condition(self) -> str:
         """loading, draining, unhealthy or healthy: what /health, /v1/ready and the heartbeat report."""
