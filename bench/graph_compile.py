@@ -1,5 +1,6 @@
-"""One decode step replayed as a CUDA graph (the engine's DecodeGraphs), the model plain against the model through
-torch.compile (inductor kernels inside the same graph), for a few (rows, attention span) buckets. GPU only.
+"""One decode step replayed as a CUDA graph (the engine's DecodeGraphs) for a few (rows, attention span) buckets: the
+model plain with transformers' sdpa attention, plain with the engine's attention (engine/attention.py), and through
+torch.compile (inductor kernels inside the same graph). GPU only.
 
     PYTHONPATH=src python bench/graph_compile.py --model M [--dynamic]
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.engine import cache_kwarg
 from rbee_worker.engine.kv_cache import SlotCache
@@ -51,6 +53,9 @@ def main() -> None:
     card = torch.cuda.get_device_name(model.device)
     result: dict = {"model": args.model, "card": card, "torch": torch.__version__, "dynamic": args.dynamic, "rows": []}
     with torch.inference_mode():
+        sdpa = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)  # transformers' own sdpa attention
+        sdpa_s = {shape: step_seconds(sdpa, *shape) for shape in SHAPES}  # captured before the switch below
+        use_engine_attention(model)
         plain = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)
         compiled = DecodeGraphs(torch.compile(model, dynamic=args.dynamic), cache, cache_kwarg(model), torch.bfloat16)
         for rows, span in SHAPES:
@@ -59,8 +64,8 @@ def main() -> None:
             compiled._graph(rows, span)
             compile_s = time.perf_counter() - started
             compiled_s = step_seconds(compiled, rows, span)
-            row = {"rows": rows, "span": span, "plain_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3,
-                   "compile_and_capture_s": compile_s}  # fmt: skip
+            row = {"rows": rows, "span": span, "sdpa_ms": sdpa_s[rows, span] * 1e3, "plain_ms": eager_s * 1e3,
+                   "compiled_ms": compiled_s * 1e3, "compile_and_capture_s": compile_s}  # fmt: skip
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

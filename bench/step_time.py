@@ -5,7 +5,7 @@ about half speed (see engine.py). Set beside `rbee-worker bench` (the same figur
 how much the HTTP layer, the engine's host work and the forward each cost.
 
     python bench/step_time.py --model M --device cuda|cpu --dtype bfloat16 [--threads 2] [--concurrency 1,16,64]
-        [--compile]
+        [--compile] [--profile DIR]
 
 Prints a table and writes bench/results/step_time_<model>_<device>_<card or cpu>.json (medians of --repeats).
 """
@@ -16,6 +16,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from rbee_worker.benchmark.run import cpu_name
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.kv_cache import decode_mask
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Request, Token
 from rbee_worker.models.loader import load_model
@@ -56,6 +58,42 @@ def run_streams(engine: Engine, prompts: list[tuple[int, ...]], tokens: int) -> 
     return sum(len(t) for t in times) / (ended - started), (len(first) - 1) / (first[-1] - first[0])
 
 
+def first_token(engine: Engine, prompt: tuple[int, ...]) -> Token:
+    """A request for one greedy token through the engine's loop, as a client sees it."""
+    request = Request(prompt, max_tokens=1, sampling=SamplingParams(temperature=0))
+    return next(e for e in engine.stream(request) if isinstance(e, Token))
+
+
+def eager_decode(engine: Engine, rows: int, length: int) -> torch.Tensor:
+    """One decode step of the engine's forward without its graphs: `rows` rows reading `length` cached positions."""
+    device = engine.loaded.info.device
+    positions = torch.full((rows, 1), length, device=device)
+    engine._cache.prepare(0, positions, length + 1)
+    lengths = torch.full((rows,), length + 1, device=device)
+    mask = decode_mask(lengths, length + 1, engine.loaded.info.dtype)
+    return engine._forward(torch.zeros(rows, 1, dtype=torch.long, device=device), positions, mask)
+
+
+def profile(out: Path, calls: dict[str, Callable[[], object]], device: torch.device) -> None:
+    """Kernel tables (torch.profiler, 3 calls after a warm-up) written to out/<name>.txt, and the timelines (all
+    threads, for chrome://tracing or Perfetto) to out/<name>.trace.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for name, call in calls.items():
+        with torch.inference_mode():
+            call()
+            sync(device)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(3):
+                    call()
+                sync(device)
+        (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=25))
+        prof.export_chrome_trace(str(out / f"{name}.trace.json"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -67,6 +105,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="the engine's --compile (torch.compile in the graphs)")
+    parser.add_argument("--profile", type=Path, help="also write torch.profiler kernel tables to this folder")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the engine's start-up steps
@@ -105,6 +144,28 @@ def main() -> None:
     result["bare_forward_s"] = statistics.median(forwards[1:])
     result["eager_decode_step_s"] = statistics.median(steps[5:])
 
+    # The engine's own prefill forward over the same prompt (slot 0, as the first request gets), outside its loop.
+    prefills = []
+    with torch.inference_mode():
+        for _ in range(args.repeats + 1):
+            sync(device)
+            started = time.perf_counter()
+            engine._prompt_forward([0], [(long_prompt, 0)])
+            sync(device)
+            prefills.append(time.perf_counter() - started)
+    result["engine_prefill_forward_s"] = statistics.median(prefills[1:])
+    if args.profile:
+        profile(
+            args.profile,
+            {
+                "bare_forward": lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1),
+                "engine_prefill_forward": lambda: engine._prompt_forward([0], [(long_prompt, 0)]),
+                "engine_decode_step_eager_all_rows": lambda: eager_decode(engine, engine.max_batch, args.prompt_tokens),
+                "engine_ttft": lambda: first_token(engine, long_prompt),
+            },
+            device,
+        )
+
     graphs = engine._graphs  # the engine's own CUDA graphs, replayed back to back (no host work between them)
     if graphs is not None:
         replays = []
@@ -121,9 +182,8 @@ def main() -> None:
     run_streams(engine, [short], args.tokens)  # warm-up
     ttft = []
     for _ in range(args.repeats):
-        request = Request(long_prompt, max_tokens=1, sampling=SamplingParams(temperature=0))
         started = time.perf_counter()
-        next(e for e in engine.stream(request) if isinstance(e, Token))
+        first_token(engine, long_prompt)
         ttft.append(time.perf_counter() - started)
     result["engine_ttft_s"] = statistics.median(ttft)
     result["engine_ttft_over_bare_forward"] = result["engine_ttft_s"] / result["bare_forward_s"]

@@ -33,6 +33,7 @@ import psutil
 import torch
 
 from rbee_worker.devices import tensor_bytes
+from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
@@ -371,6 +372,7 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._pack_for_cpu(self._load())
+            use_engine_attention(loaded.model)
             self._model = self._forward_module = loaded.model
             self._dtype = loaded.info.dtype
             self._cache_kwarg = cache_kwarg(loaded.model)

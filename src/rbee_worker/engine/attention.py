@@ -1,0 +1,57 @@
+"""The attention function the engine gives transformers' model classes (registered through transformers'
+AttentionInterface, so the models' own attention layers call it): PyTorch's scaled_dot_product_attention, like
+transformers' "sdpa", with two shapes of the engine's forwards sent to faster kernels.
+
+- A decode step (one query token per row): the query heads that share a key/value head are folded into the query
+  length (`[rows, kv_heads, groups, head_dim]`), so attention reads each cached key and value once instead of
+  through `repeat_kv`'s copy for every query head; the engine's mask (`[rows, 1, 1, span]`) applies unchanged.
+  transformers 5.24 does this itself outside torch.compile; this does it inside too, and on older versions.
+- A single-row prompt chunk from position 0 (a first prefill): its mask is exactly causal, so it is dropped for
+  `is_causal=True`, which lets SDPA take its flash kernel with grouped heads, as a bare forward over the prompt does.
+
+Everything else goes to transformers' own sdpa function unchanged.
+"""
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "rbee_sdpa"
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    rows, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    plain = dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    if plain and q_len == 1 and heads != kv_heads:
+        folded = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            folded, key, value, attn_mask=attention_mask, scale=scaling
+        )
+        return output.reshape(rows, 1, heads, value.shape[-1]), None
+    if plain and rows == 1 and q_len == key.shape[2] and q_len > 1:
+        # The engine masks a chunk that starts at position 0 causally and nothing else (see the module docstring).
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=heads != kv_heads
+        )
+        return output.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def use_engine_attention(model: torch.nn.Module) -> bool:
+    """Route the model's attention through `attention` when it uses transformers' sdpa (the default); False and
+    unchanged otherwise (eager or flash attention asked for explicitly, or a model class without the interface)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(NAME, attention)
+    model.set_attn_implementation(NAME)
+    return model.config._attn_implementation == NAME
