@@ -102,3 +102,34 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
         finally:
             engine.close()
     assert results[0] == results[1]
+
+
+def test_first_prompt_chunks_replay_as_graphs_with_the_eager_logits(random_llama: Path) -> None:
+    """A request's first prompt chunk runs as a prefill graph (right-padded to its bucket) and gives the logits of the
+    eager forward over the same tokens (fp32), for lengths at, below and above a bucket's edge; a prompt longer than
+    a chunk (its second chunk eager, after the graph's) decodes the same tokens as an engine without graphs."""
+    engines = [
+        Engine(
+            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
+            cuda_graphs=graphs,
+            prefill_chunk=256,  # the model's context is 512: room for a prompt of two chunks
+        )
+        for graphs in (True, False)
+    ]
+    try:
+        for engine in engines:
+            engine.loaded  # noqa: B018 -- the graphs are captured while loading
+        graphs = engines[0]._prefill_graphs
+        assert graphs is not None and engines[1]._prefill_graphs is None
+        with torch.inference_mode():
+            for count in (1, 15, 16, 17, 100, 256):
+                ids = [(7 * i + 3) % 1000 + 10 for i in range(count)]
+                replayed = engines[0]._prompt_forward([2], [(ids, 0)]).clone()
+                eager = engines[1]._prompt_forward([2], [(ids, 0)])
+                torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+        assert sorted(graphs.graphs) == graphs.buckets  # warmed up before ready: no capture while serving
+        long_prompt = [(5 * i + 1) % 1000 + 10 for i in range(400)]
+        assert greedy(engines[0], long_prompt, 24)[0] == greedy(engines[1], long_prompt, 24)[0]
+    finally:
+        for engine in engines:
+            engine.close()

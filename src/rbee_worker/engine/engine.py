@@ -35,7 +35,7 @@ import torch
 from rbee_worker.devices import tensor_bytes
 from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
-from rbee_worker.engine.cuda_graphs import DecodeGraphs
+from rbee_worker.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.sampling import Sampler, random_seed
@@ -152,6 +152,7 @@ class Engine:
         # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
         self._use_cuda_graphs = cuda_graphs and not deterministic
         self._graphs: DecodeGraphs | None = None
+        self._prefill_graphs: PrefillGraphs | None = None  # first prompt chunks, for the plain (uncompiled) forward
         self._compile = compile_model  # the forward through torch.compile, where CUDA graphs replay it
         self._observer = observer or _NoObserver()
         self._load = load
@@ -447,22 +448,28 @@ class Engine:
                 except Exception as exc:  # e.g. no Triton for this GPU: slower, but it runs
                     log.warning("torch.compile failed, running the model uncompiled: %s", str(exc).splitlines()[0])
                     torch._dynamo.reset()
-                    self._forward_module, self._graphs = loaded.model, None
+                    self._forward_module, self._graphs, self._prefill_graphs = loaded.model, None, None
             if self._graphs is None:
                 self._warm_up()
         log.info(
             "captured %d CUDA graphs of the %s forward in %.1f s",
-            len(self._graphs.graphs),
+            len(self._graphs.graphs) + len(self._prefill_graphs.graphs if self._prefill_graphs else ()),
             "plain" if self._forward_module is loaded.model else "compiled",
             time.perf_counter() - started,
         )
 
     def _warm_up(self) -> None:
-        """Capture the decode graphs up to GRAPH_WARM_SPAN; a compiled forward also runs prefill forwards of one and
-        two rows, of different lengths, so that it is compiled for any length before the first request."""
+        """Capture the decode graphs up to GRAPH_WARM_SPAN, and for the plain forward the first-chunk prefill graphs;
+        a compiled forward instead runs prefill forwards of one and two rows, of different lengths, so that it is
+        compiled for any length before the first request (it launches few kernels: graphs would gain little)."""
         self._graphs = DecodeGraphs(self._forward_module, self._cache, self._cache_kwarg, self._dtype)
         self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
-        if self._forward_module is not self._model:
+        if self._forward_module is self._model:
+            self._prefill_graphs = PrefillGraphs(
+                self._model, self._cache, self._cache_kwarg, self._dtype, self.prefill_chunk, self._graphs.pool
+            )
+            self._prefill_graphs.warm_up()
+        else:
             # Slots 0 and 1, which no request holds yet.
             self._prompt_forward([0], [([0] * 16, 0)])
             self._prompt_forward([0], [([0] * 48, 16)])
@@ -538,6 +545,8 @@ class Engine:
             pad = width - len(ids)
             tokens.append([0] * pad + list(ids))
             positions.append([self._cache.slot_len] * pad + list(range(start, start + len(ids))))
+        if self._prefill_graphs and len(pieces) == 1 and pieces[0][1] == 0 and self._prefill_graphs.fits(width):
+            return self._prefill_graphs.run(slots[0], list(pieces[0][0]))
         kv_len = max(start + len(ids) for ids, start in pieces)
         device = self._model.device
         position_ids = torch.tensor(positions, device=device)

@@ -74,6 +74,13 @@ class SlotCache:
         contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
         self._gather = None if contiguous else self.row_index[:, 0]
 
+    def prepare_graph_rows(self, row_index: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
+        """As prepare_slots, for batch rows given as a (rows, 1) device tensor of slots (a CUDA graph's static input,
+        filled before each replay): attention reads them through a gather."""
+        self._ensure_zeroed(kv_len)
+        self._kv_len, self._positions = kv_len, positions
+        self.row_index, self._gather = row_index, row_index[:, 0]
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
