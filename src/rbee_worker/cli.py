@@ -69,8 +69,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         default="none",
         choices=["none", "int4"],
-        help="int4: a GGUF file's Q4_0 / Q4_1 matrices stay 4-bit (the file's codes; scales rounded to bfloat16), run "
-        "by PyTorch's int4 CPU kernel; CPU and bfloat16 only for now (default: none, weights dequantized)",
+        help="int4: a GGUF file's Q4_0 / Q4_1 / Q4_K matrices stay 4-bit (the file's codes; scales rounded to "
+        "bfloat16), run by PyTorch's int4 CPU kernel; CPU and bfloat16 only for now (default: none: dequantized)",
     )
     group.add_argument(
         "--deterministic",

@@ -167,24 +167,35 @@ def dequantize(
     return values.view(shape).to(dtype)
 
 
-# The types whose blocks are 32 four-bit codes with one scale (and offset): w = (q - 8) * scale + zero exactly.
-INT4_GROUP_TYPES = frozenset({_T.Q4_0, _T.Q4_1})
+# The types whose blocks are groups of 32 four-bit codes with a scale (and offset) each: w = (q - 8) * scale + zero.
+INT4_GROUP_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q4_K})
 INT4_GROUP = 32
 
 
 def int4_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-    """A Q4_0 / Q4_1 matrix as it is stored, without dequantizing: codes (rows, cols) uint8 in 0..15, and per group
-    of 32 along a row a scale and a zero (rows, cols / 32) in float32, such that w = (q - 8) * scale + zero equals
-    `dequantize` exactly (Q4_0: scale d, zero 0; Q4_1: w = q * d + m, so zero = m + 8 d, exact in float32)."""
+    """A Q4_0 / Q4_1 / Q4_K matrix as it is stored, without dequantizing: codes (rows, cols) uint8 in 0..15, and per
+    group of 32 along a row a scale and a zero (rows, cols / 32) in float32, such that w = (q - 8) * scale + zero.
+
+    Q4_0: scale d, zero 0. Q4_1: w = q * d + m, so zero = m + 8 d. Both equal `dequantize` exactly in float32.
+    Q4_K: eight groups of 32 per block of 256, w = q * (d * sc) - dmin * m with 6-bit sc and m, so scale = d * sc
+    (exact) and zero = 8 * scale - dmin * m, which float32 rounds when its two terms are far apart in magnitude (at
+    most half a unit in the last place of the zero: 2^-24 of it)."""
     if ggml_type not in INT4_GROUP_TYPES:
         raise ValueError(f"{type_name(ggml_type)} is not a 4-bit group type")
     blocks = _blocks(raw, ggml_type, shape)
     rows, cols = shape
+    groups = (rows, cols // INT4_GROUP)
+    if ggml_type == _T.Q4_K:
+        sub_scales, sub_mins = _k_scales(blocks[:, 4:16])
+        scales = _f16(blocks, 0) * sub_scales.float()
+        zeros = 8 * scales - _f16(blocks, 2) * sub_mins.float()
+        codes = _unpack(blocks[:, 16:], 32, 4)
+        return codes.reshape(rows, cols), scales.reshape(groups), zeros.reshape(groups)
     offset = 2 if ggml_type == _T.Q4_0 else 4
     codes = _unpack(blocks[:, offset:], 16, 4).reshape(rows, cols)
     scales = _f16(blocks, 0)
     zeros = torch.zeros_like(scales) if ggml_type == _T.Q4_0 else _f16(blocks, 2) + 8 * scales
-    return codes, scales.reshape(rows, cols // INT4_GROUP), zeros.reshape(rows, cols // INT4_GROUP)
+    return codes, scales.reshape(groups), zeros.reshape(groups)
 
 
 def _check_size(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> None:

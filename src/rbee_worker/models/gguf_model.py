@@ -243,7 +243,7 @@ def permuted_heads(arch: str, name: str, config: PretrainedConfig) -> int | None
 
 
 def int4_weights(file: GGUFFile, sources: dict[str, str], skeleton: torch.nn.Module) -> dict[str, str]:
-    """The linear layers' weights (parameter name -> GGUF tensor) that the file stores as Q4_0 / Q4_1; embeddings
+    """The linear layers' weights (parameter name -> GGUF tensor) that the file stores as Q4_0 / Q4_1 / Q4_K; embeddings
     stay dequantized."""
     linear = {f"{name}.weight" for name, module in skeleton.named_modules() if type(module) is torch.nn.Linear}
     return {

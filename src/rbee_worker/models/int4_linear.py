@@ -1,11 +1,11 @@
-"""Linear layers whose weights stay 4-bit on the CPU: GGUF Q4_0 / Q4_1 matrices as stored, run by PyTorch's int4
+"""Linear layers whose weights stay 4-bit on the CPU: GGUF Q4_0 / Q4_1 / Q4_K matrices as stored, run by PyTorch's int4
 weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, the one torchao's Int4 CPU layout uses).
 
 The kernel dequantizes w = (q - 8) * scale + zero per group of 32 inputs on the fly, so a decode step reads half a
 byte per weight instead of two. Its scales and zeros must have the activations' dtype, and only bfloat16 runs fast
 (measured here: an MLP matrix of the demo model takes 72 us in bfloat16, 3 ms in float32, 7.8 ms in float16): the
-GGUF scales (float16) are therefore rounded to bfloat16 once, a relative change of at most 2^-9 per scale. The codes
-themselves are the file's.
+GGUF scales and zeros (float16, or Q4_K's float32 products of its two levels of scales) are therefore rounded to
+bfloat16 once, a relative change of at most 2^-9 each. The codes themselves are the file's.
 """
 
 import torch
