@@ -133,3 +133,27 @@ def test_first_prompt_chunks_replay_as_graphs_with_the_eager_logits(random_llama
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
+    """With KV slots of 200 tokens the chunk buckets stop at 128 (a 256 bucket could not be read back): a 150-token
+    prompt runs eagerly, a 100-token one as a graph, and both decode as an engine without graphs."""
+    per_token = 2 * 4 * 2 * 32 * 4  # keys and values, 4 layers, 2 key/value heads of 32, float32
+    engines = [
+        Engine(
+            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
+            cuda_graphs=graphs,
+            max_batch=1,
+            kv_cache_bytes=200 * per_token,
+        )
+        for graphs in (True, False)
+    ]
+    try:
+        assert engines[0].context_length == 200
+        assert engines[0]._prefill_graphs.buckets == [16, 32, 64, 128]
+        for count in (150, 100):
+            ids = [(3 * i + 2) % 1000 + 10 for i in range(count)]
+            assert greedy(engines[0], ids, 16)[0] == greedy(engines[1], ids, 16)[0]
+    finally:
+        for engine in engines:
+            engine.close()

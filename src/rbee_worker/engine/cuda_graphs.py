@@ -102,10 +102,10 @@ class PrefillGraphs:
     ) -> None:  # fmt: skip
         self.model, self.cache, self.cache_kwarg, self.dtype, self.pool = model, cache, cache_kwarg, dtype, pool
         device = cache.keys[0].device
-        self.buckets = [MIN_CHUNK]
-        while self.buckets[-1] < max_chunk:
-            self.buckets.append(self.buckets[-1] * 2)
-        widest = self.buckets[-1]
+        # Powers of two that neither a prompt chunk nor a KV slot can outgrow; longer chunks run eagerly.
+        limit = min(max_chunk, cache.slot_len)
+        self.buckets = [2**i for i in range(MIN_CHUNK.bit_length() - 1, limit.bit_length()) if 2**i <= limit]
+        widest = max(self.buckets, default=0)
         self.tokens = torch.zeros(1, widest, dtype=torch.long, device=device)
         self.positions = torch.full((1, widest), cache.slot_len, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, 1, dtype=torch.long, device=device)  # the request's slot, as a (1, 1) row index
@@ -113,7 +113,7 @@ class PrefillGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, count: int) -> bool:
-        return count <= self.buckets[-1]
+        return bool(self.buckets) and count <= self.buckets[-1]
 
     def warm_up(self) -> None:
         for width in self.buckets:
