@@ -705,9 +705,11 @@ class Engine:
             sequence.cached = 0
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request.request_id)
-        sequence.send(terminal)
+        # Counted and logged before the caller hears of it: a client that reads /metrics right after its response
+        # sees its request there (the other order lost that race once responses stopped waiting on Nagle).
         self._observer.finished(sequence.request, terminal, time.perf_counter() - sequence.submitted_at)
         _log_finished(sequence.request, terminal)
+        sequence.send(terminal)
 
 
 def _log_finished(request: Request, terminal: End | Error) -> None:
