@@ -42,6 +42,16 @@ from rbee_worker.models.progress import LoadProgress
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Characters that many line readers (Python's str.splitlines, httpx's iter_lines) take for line breaks although SSE
+# does not: JSON-escaped, so that a generated NEL or line separator cannot cut a `data:` line in two for such clients.
+_SSE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(payload: object) -> str:
+    """One SSE event carrying `payload` as JSON (UTF-8 text as it is, but for the characters above)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_SSE_LINE_BREAKS)}\n\n"
+
+
 PROGRESS_URL = "/v1/loading/progress"
 PROGRESS_POLL_S = 0.1
 
@@ -334,7 +344,7 @@ async def sse(state: WorkerState, job: Job, *, done_marker: bool) -> AsyncIterat
                     continue
                 event = replace(event, index=pieces)  # `i` counts the pieces sent
                 pieces += 1
-            yield f"data: {json.dumps(event_json(event, job.job_id, model), ensure_ascii=False)}\n\n"
+            yield sse_data(event_json(event, job.job_id, model))
         if done_marker:
             yield "data: [DONE]\n\n"
     finally:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
-from rbee_worker.api.native import SSE_HEADERS, WorkerState
+from rbee_worker.api.native import SSE_HEADERS, WorkerState, sse_data
 from rbee_worker.api.native_schema import SSE_EVENT, UNAUTHORIZED
 from rbee_worker.api.openai_schema import (
     ChatCompletionRequest,
@@ -347,7 +347,7 @@ async def stream_chunks(
     def line(payload: dict) -> str:
         if include_usage:  # then every chunk has `usage`: null but the last one, as OpenAI's
             payload = {**payload, "usage": payload.get("usage")}
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return sse_data(payload)
 
     try:
         if first is not None:
