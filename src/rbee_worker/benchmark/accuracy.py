@@ -33,19 +33,18 @@ Logits = Callable[[list[int]], np.ndarray]
 
 
 def torch_logits(model: torch.nn.Module) -> Logits:
-    seen: list[int] = []
+    seen: list[int] = []  # the ids in the cache, and a row of logits for each
     rows: list[np.ndarray] = []
-    cache: list[object] = [None]
+    cache = None
 
     def run(ids: list[int]) -> np.ndarray:
+        nonlocal seen, rows, cache
         if ids[: len(seen)] != seen or len(ids) <= len(seen):
-            seen.clear(), rows.clear()
-            cache[0] = None
+            seen, rows, cache = [], [], None
         with torch.inference_mode():
-            output = model(input_ids=torch.tensor([ids[len(seen) :]]), past_key_values=cache[0], use_cache=True)
-        cache[0] = output.past_key_values
+            output = model(input_ids=torch.tensor([ids[len(seen) :]]), past_key_values=cache, use_cache=True)
+        cache, seen = output.past_key_values, list(ids)
         rows.extend(output.logits[0].float().numpy())
-        seen[:] = ids
         return np.stack(rows)
 
     return run

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from rbee_worker.engine.kv_cache import SlotCache, decode_mask
+from rbee_worker.engine.kv_cache import SlotCache, decode_mask, prefill_mask
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_SPAN = 128
@@ -139,8 +139,7 @@ class PrefillGraphs:
         tokens.zero_()
         positions.fill_(self.cache.slot_len)  # while capturing, every column writes the scratch position
         self.cache.prepare_graph_rows(self.slot, positions, width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril()
-        mask = torch.where(causal, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[None, None]
+        mask = prefill_mask([0], [width], width, self.dtype, tokens.device)  # causal over the whole bucket
 
         def step() -> torch.Tensor:
             output = self.model(

@@ -540,13 +540,13 @@ class Engine:
         to the longest (padding writes the scratch position), so the logits returned, one row each, follow each
         row's last token."""
         width = max(len(ids) for ids, _ in pieces)
+        if self._prefill_graphs and len(pieces) == 1 and pieces[0][1] == 0 and self._prefill_graphs.fits(width):
+            return self._prefill_graphs.run(slots[0], list(pieces[0][0]))
         tokens, positions = [], []
         for ids, start in pieces:
             pad = width - len(ids)
             tokens.append([0] * pad + list(ids))
             positions.append([self._cache.slot_len] * pad + list(range(start, start + len(ids))))
-        if self._prefill_graphs and len(pieces) == 1 and pieces[0][1] == 0 and self._prefill_graphs.fits(width):
-            return self._prefill_graphs.run(slots[0], list(pieces[0][0]))
         kv_len = max(start + len(ids) for ids, start in pieces)
         device = self._model.device
         position_ids = torch.tensor(positions, device=device)
