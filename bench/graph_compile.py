@@ -2,10 +2,12 @@
 model plain with transformers' sdpa attention, plain with the engine's attention (engine/attention.py), and through
 torch.compile (inductor kernels inside the same graph). GPU only.
 
-    PYTHONPATH=src python bench/graph_compile.py --model M [--dynamic]
+    PYTHONPATH=src python bench/graph_compile.py --model M [--dynamic] [--regional]
 
 Without --dynamic each shape is compiled for itself (a fair kernel-level comparison); with it, the engine's own
-setting (`torch.compile(dynamic=True)`, one compilation for all shapes). Prints each step time (median of 3 x 50
+setting (`torch.compile(dynamic=True)`, one compilation for all shapes). --regional compiles the decoder layers
+instead of the whole model (torch's regional compilation: the layers share one compiled code, so the compile time is
+about one layer's). Prints each step time (median of 3 x 50
 replays) and writes bench/results/graph_compile_<model>_<card>.json.
 """
 
@@ -46,20 +48,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--dynamic", action="store_true")
+    parser.add_argument("--regional", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     model = load_model(args.model, resolve_placement("cuda", "bfloat16")).model
     cache = SlotCache(model.config, max(r for r, _ in SHAPES), 2048, torch.bfloat16, model.device)
     card = torch.cuda.get_device_name(model.device)
-    result: dict = {"model": args.model, "card": card, "torch": torch.__version__, "dynamic": args.dynamic, "rows": []}
+    result: dict = {
+        "model": args.model, "card": card, "torch": torch.__version__, "dynamic": args.dynamic,
+        "regional": args.regional, "rows": [],
+    }  # fmt: skip
     with torch.inference_mode():
         sdpa = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)  # transformers' own sdpa attention
         sdpa_s = {shape: step_seconds(sdpa, *shape) for shape in SHAPES}  # captured before the switch below
         use_engine_attention(model)
         plain = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)
-        compiled = DecodeGraphs(torch.compile(model, dynamic=args.dynamic), cache, cache_kwarg(model), torch.bfloat16)
+        plain_s = {shape: step_seconds(plain, *shape) for shape in SHAPES}  # captured before any compilation
+        if args.regional:
+            for layer in model.get_decoder().layers:
+                layer.compile(dynamic=args.dynamic)
+            forward = model
+        else:
+            forward = torch.compile(model, dynamic=args.dynamic)
+        compiled = DecodeGraphs(forward, cache, cache_kwarg(model), torch.bfloat16)
         for rows, span in SHAPES:
-            eager_s = step_seconds(plain, rows, span)
+            eager_s = plain_s[rows, span]
             started = time.perf_counter()
             compiled._graph(rows, span)
             compile_s = time.perf_counter() - started
@@ -69,7 +82,8 @@ def main() -> None:
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"graph_compile_{Path(args.model).stem}_{card.replace(' ', '_')}{'_dynamic' if args.dynamic else ''}"
+    variant = ("_dynamic" if args.dynamic else "") + ("_regional" if args.regional else "")
+    name = f"graph_compile_{Path(args.model).stem}_{card.replace(' ', '_')}{variant}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

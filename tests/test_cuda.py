@@ -11,6 +11,8 @@ from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
+from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -157,3 +159,45 @@ def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
     finally:
         for engine in engines:
             engine.close()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_quantized_layers_on_cuda_compute_their_weights(rows: int) -> None:
+    """Int4Linear (tinygemm) and Int8Linear (our Triton kernels; one row takes the GEMV kernel, more the tensor-core
+    one) on CUDA against float32 products with the weights they stand for; bfloat16 activations and output, so within
+    a few bfloat16 steps of the largest output."""
+    torch.manual_seed(0)
+    out, inputs = 384, 576  # the demo model's input width: not a multiple of tinygemm's largest k-tile
+    codes = torch.randint(0, 16, (out, inputs), dtype=torch.int32)
+    scales, zeros = torch.rand(out, inputs // 32) * 0.01 + 1e-3, torch.randn(out, inputs // 32) * 0.01
+    int4 = Int4Linear(codes.to(CUDA), scales.to(CUDA), zeros.to(CUDA), None)
+    int4_weight = (codes - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+    codes8 = torch.randint(-127, 128, (out, inputs), dtype=torch.int8)
+    scales8 = torch.rand(out) * 1e-3
+    int8 = Int8Linear(codes8.to(CUDA), scales8.to(CUDA), None)
+    x = torch.randn(rows, inputs, dtype=torch.bfloat16)
+    for layer, weight in ((int4, int4_weight), (int8, codes8.float() * scales8[:, None])):
+        expected = x.float() @ weight.T
+        got = layer(x.to(CUDA)).float().cpu()
+        assert (got - expected).abs().max() <= 2**-6 * expected.abs().max(), type(layer).__name__
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_decodes_with_graphs_as_eagerly(random_llama: Path, mode: str) -> None:
+    """A model directory quantized at load on CUDA: its layers really are quantized, and greedy requests give the same
+    tokens with CUDA graphs as with the eager forward (one at a time: bfloat16 products of a different row count may
+    round differently)."""
+    results = []
+    for graphs in (True, False):
+        engine = Engine(
+            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.bfloat16), quantize=mode),
+            cuda_graphs=graphs,
+        )
+        try:
+            layers = [m for m in engine.loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+            assert len(layers) == 4 * 7 and all(m.scales_and_zeros.is_cuda if mode == "int4" else m.codes.is_cuda
+                                                for m in layers)  # fmt: skip
+            results.append([greedy(engine, engine.tokenize(p), 32)[0] for p in PROMPTS])
+        finally:
+            engine.close()
+    assert results[0] == results[1]

@@ -94,7 +94,7 @@ def int4_demo(demo_gguf: Path):
 
 def test_demo_matrices_stay_4_bit_within_1_3x_the_file(int4_demo, demo_gguf: Path) -> None:
     """All 210 Q4_1 matrices of the demo file are Int4Linear; the loaded weights (int4 codes, bfloat16 scales and
-    zeros, the Q8_0 embedding dequantized to bfloat16) take at most 1.3x the file's bytes."""
+    zeros, the Q8_0 embedding and tied head as one int8 matrix: test_int8.py) take at most 1.3x the file's bytes."""
     layers = [m for m in int4_demo.model.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 30 * 7
     assert not any(type(m) is torch.nn.Linear and m is not int4_demo.model.lm_head for m in int4_demo.model.modules())
@@ -105,16 +105,17 @@ def test_demo_matrices_stay_4_bit_within_1_3x_the_file(int4_demo, demo_gguf: Pat
         assert parameter.untyped_storage().nbytes() >= parameter.nbytes, name
 
 
-def test_demo_logits_stay_as_close_to_float32_as_bfloat16(int4_demo, demo_gguf: Path) -> None:
-    """Last-position logits against the float32 dequantized model: within 3% of the largest logit (measured: 1.1 to
-    2.0%; the plain bfloat16 model's own error was 1.0 to 2.0% on the same prompts)."""
+def test_demo_logits_stay_close_to_float32(int4_demo, demo_gguf: Path) -> None:
+    """Last-position logits against the float32 dequantized model: within 4% of the largest logit (measured: 3.1 to
+    3.4%, of which the tied Q8_0 LM head's requantization to per-row int8 adds about 1.3 points: 1.4 to 2.2% with a
+    bfloat16 head; the plain bfloat16 model's own error was 1.0 to 2.0% on the same prompts)."""
     reference = load_model(str(demo_gguf), Placement(CPU, torch.float32)).model
     for prompt in PROMPTS:
         ids = torch.tensor([int4_demo.tokenizer(prompt)["input_ids"]])
         with torch.inference_mode():
             expected = reference(ids).logits[0, -1]
             got = int4_demo.model(ids).logits[0, -1].float()
-        assert (got - expected).abs().max() <= 0.03 * expected.abs().max(), prompt
+        assert (got - expected).abs().max() <= 0.04 * expected.abs().max(), prompt
 
 
 def test_generate_with_int4_through_the_cli() -> None:
@@ -124,8 +125,7 @@ def test_generate_with_int4_through_the_cli() -> None:
     assert "Paris" in result.stdout
 
 
-def test_int4_is_refused_where_it_does_not_run(demo_hf_dir: Path, demo_gguf: Path) -> None:
-    with pytest.raises(ModelLoadError, match="CPU in bfloat16 only"):
+def test_int4_is_refused_where_it_does_not_run(demo_gguf: Path) -> None:
+    """(A model directory is quantized at load now: test_quantize.py.)"""
+    with pytest.raises(ModelLoadError, match="runs in bfloat16"):
         load_model(str(demo_gguf), Placement(CPU, torch.float32), quantize="int4")
-    with pytest.raises(ModelLoadError, match="GGUF files only"):
-        load_model(str(demo_hf_dir), Placement(CPU, torch.bfloat16), quantize="int4")

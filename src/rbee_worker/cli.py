@@ -68,9 +68,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quantize",
         default="none",
-        choices=["none", "int4"],
-        help="int4: a GGUF file's Q4_0 / Q4_1 / Q4_K matrices stay 4-bit (the file's codes; scales rounded to "
-        "bfloat16), run by PyTorch's int4 CPU kernel; CPU and bfloat16 only for now (default: none: dequantized)",
+        choices=["none", "int8", "int4"],
+        help="int8 / int4: weight-only quantized linear layers (bfloat16 on the CPU or a CUDA GPU). A model directory "
+        "is quantized at load (int8 per row, int4 per group of 32; embedding and LM head stay); a GGUF file keeps its "
+        "own quantized matrices instead of dequantizing them (Q4_* as int4, Q8_0 / Q5_K / Q6_K as int8), whichever "
+        "of the two is given (default: none: every weight in --dtype)",
     )
     group.add_argument(
         "--deterministic",

@@ -198,6 +198,60 @@ def int4_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tu
     return codes, scales.reshape(groups), zeros.reshape(groups)
 
 
+# The types whose matrices stay 8-bit: one int8 code per weight. Q8_0 is 8-bit already; Q5_K and Q6_K fit with room
+# to spare (a row's int8 step is at most a quarter of their 5- or 6-bit step at the row's largest block).
+INT8_TYPES = frozenset({_T.Q8_0, _T.Q5_K, _T.Q6_K})
+INT8_GROUP = 32
+
+
+def int8_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix as it is stored, without dequantizing: codes (rows, cols) int8 and per group of 32 along a row
+    the float16 scale d (rows, cols / 32), w = q * d; codes.float() * d.float() is `dequantize` bit for bit. The
+    tensors are new, never views of `raw`."""
+    if ggml_type != _T.Q8_0:
+        raise ValueError(f"{type_name(ggml_type)} is not Q8_0")
+    blocks = _blocks(raw, ggml_type, shape)
+    rows, groups = shape[0], shape[1] // INT8_GROUP
+    # Copied out of the blocks (which may be a read-only mmap) into plain row-major tensors.
+    codes = blocks[:, 2:].view(torch.int8).view(rows, groups, INT8_GROUP).clone(memory_format=torch.contiguous_format)
+    scales = blocks[:, 0:2].view(torch.float16).view(rows, groups).clone(memory_format=torch.contiguous_format)
+    return codes.view(rows, -1), scales
+
+
+def int8_rows(
+    raw: torch.Tensor, ggml_type: int, shape: tuple[int, int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 / Q5_K / Q6_K matrix requantized to int8 codes with one `dtype` scale per row (int8_per_row), the
+    layout of int8 weight-only kernels.
+
+    The file's scales are per block (Q8_0: 32 weights, K-quants: 16 or 32 under one of 256), so the exactly dequantized
+    row is quantized again. Measured with bfloat16 scales, relative to the row's largest weight: the demo file's Q8_0
+    embedding (49152 x 576): largest error 0.396%, mean 0.188%, 98% of the weights changed; its rows' scale is 1.8
+    times their mean Q8_0 block scale, so the added error is about twice Q8_0's own. Constructed Q5_K and Q6_K blocks
+    (random codes, d and dmin 1e-4 to 0.05): largest 0.396% and 0.397%, mean 0.196% and 0.194%, far below their own
+    steps (a 5- or 6-bit code's).
+    """
+    if ggml_type not in INT8_TYPES:
+        raise ValueError(f"{type_name(ggml_type)} is not an 8-bit type")
+    return int8_per_row(dequantize(raw, ggml_type, shape), dtype)
+
+
+def int8_per_row(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix (rows, cols) as int8 codes (rows, cols) and one `dtype` scale per row (rows,), w ~= q * s.
+
+    s = max|w| / 127, rounded up to `dtype` so that no code leaves -127..127 (the CPU kernel's scales have the
+    activations' dtype), q = round(w / s): each weight moves by at most s / 2, 1/254 (0.394%) of the row's largest,
+    times 1 + 2^-7 for a bfloat16 s rounded up (0.397%). An all-zero row gets scale 0 and codes 0.
+    """
+    weight = weight.float()
+    exact = weight.abs().amax(dim=1) / 127
+    scales = exact.to(dtype)
+    scales = torch.where(scales.float() < exact, torch.nextafter(scales, torch.full_like(scales, math.inf)), scales)
+    # Divided by the smallest normal float instead of 0, an all-zero row's zeros stay zeros.
+    divisors = scales.float().clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+    return torch.round(weight / divisors).to(torch.int8), scales
+
+
 def _check_size(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> None:
     if raw.dtype != torch.uint8:
         raise TypeError(f"raw must be a uint8 tensor, got {raw.dtype}")

@@ -16,10 +16,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.dequant import INT4_GROUP_TYPES, dequantize, int4_groups
+from rbee_worker.models.dequant import INT4_GROUP_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, int8_rows
 from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.int4_linear import INT4_BYTES_PER_WEIGHT, Int4Linear
+from rbee_worker.models.int8_linear import INT8_BYTES_PER_WEIGHT, Int8Embedding, Int8Linear
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
 
@@ -60,10 +61,11 @@ CONFIG_KEYS = {
 
 
 def load_gguf(
-    path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, keep_int4: bool = False
+    path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, quantized: bool = False
 ) -> LoadedModel:
-    """The model of a GGUF file on `device`, its weights dequantized to `dtype`; with keep_int4, its Q4_0 / Q4_1
-    matrices become Int4Linear layers instead (the caller checks int4_supported)."""
+    """The model of a GGUF file on `device`, its weights dequantized to `dtype`; with `quantized`, the file's quantized
+    matrices of linear layers and token embedding stay quantized instead: Q4_0 / Q4_1 / Q4_K as int4, Q8_0 / Q5_K /
+    Q6_K as int8 (see keep_quantized), F16 / BF16 / F32 as they are (the caller checks int4_supported)."""
     file = read_gguf(path)
     arch = file.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -77,10 +79,10 @@ def load_gguf(
         skeleton = model_class(config)
     expected = skeleton.state_dict()
     sources = tensor_sources(file, arch, expected, config)
-    kept = int4_weights(file, sources, skeleton) if keep_int4 else {}
+    kept = quantized_weights(file, sources, skeleton) if quantized else {}
     kept_tensors = set(kept.values())
     weight_bytes = sum(
-        math.prod(info.shape) * (INT4_BYTES_PER_WEIGHT if name in kept_tensors else dtype.itemsize)
+        math.prod(info.shape) * (kept_bytes_per_weight(info.ggml_type) if name in kept_tensors else dtype.itemsize)
         for name, info in file.tensors.items()
     )
     check_fits(int(weight_bytes), device, f"the weights of {path.name} (dequantized to {dtype})")
@@ -103,7 +105,7 @@ def load_gguf(
             "the file is incomplete: download or convert the model again"
         )
     if kept:
-        swap_in_int4(model, file, arch, config, kept, progress)
+        keep_quantized(model, file, arch, config, kept, device, dtype, progress)
     if ROPE_FACTORS in file.tensors:
         apply_rope_factors(model, file.load(ROPE_FACTORS))
     model = model.to(device)
@@ -210,7 +212,7 @@ def gguf_state_dict(
     placeholders: set[str],
 ) -> dict[str, torch.Tensor]:
     """Dequantize each source tensor onto `device`, under the model's parameter names; the `placeholders` (weights
-    that swap_in_int4 replaces next) become one zero expanded to their shape, so that they take no memory."""
+    that keep_quantized replaces next) become one zero expanded to their shape, so that they take no memory."""
     state: dict[str, torch.Tensor] = {}
     for hf_name, name in sources.items():
         info, meta_tensor = file.tensors[name], expected[hf_name]
@@ -242,38 +244,117 @@ def permuted_heads(arch: str, name: str, config: PretrainedConfig) -> int | None
     return config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
 
 
-def int4_weights(file: GGUFFile, sources: dict[str, str], skeleton: torch.nn.Module) -> dict[str, str]:
-    """The linear layers' weights (parameter name -> GGUF tensor) that the file stores as Q4_0 / Q4_1 / Q4_K; embeddings
-    stay dequantized."""
-    linear = {f"{name}.weight" for name, module in skeleton.named_modules() if type(module) is torch.nn.Linear}
+QUANTIZED_TYPES = INT4_GROUP_TYPES | INT8_TYPES
+
+
+def kept_bytes_per_weight(ggml_type: int) -> float:
+    """About what a weight kept quantized takes (an int4 type kept as an embedding takes about twice that)."""
+    return INT4_BYTES_PER_WEIGHT if ggml_type in INT4_GROUP_TYPES else INT8_BYTES_PER_WEIGHT
+
+
+def quantized_weights(file: GGUFFile, sources: dict[str, str], skeleton: torch.nn.Module) -> dict[str, str]:
+    """The weights (parameter name -> GGUF tensor) of linear layers and embeddings that the file stores in a type
+    that stays quantized; a tied LM head is not among them (it has no tensor of its own) and follows its embedding."""
+    kept_modules = (torch.nn.Linear, torch.nn.Embedding)
+    weights = {f"{name}.weight" for name, module in skeleton.named_modules() if type(module) in kept_modules}
     return {
         hf_name: name
         for hf_name, name in sources.items()
-        if hf_name in linear and file.tensors[name].ggml_type in INT4_GROUP_TYPES
+        if hf_name in weights and file.tensors[name].ggml_type in QUANTIZED_TYPES
     }
 
 
-def swap_in_int4(
+def keep_quantized(
     model: torch.nn.Module,
     file: GGUFFile,
     arch: str,
     config: PretrainedConfig,
     weights: dict[str, str],
+    device: torch.device,
+    dtype: torch.dtype,
     progress: LoadProgress,
 ) -> None:
-    """Replace the linear layer of each of `weights` (parameter name -> GGUF tensor) by an Int4Linear built from the
-    stored codes and scales."""
+    """Replace the module of each of `weights` (parameter name -> GGUF tensor, whose placeholders hold no data) by
+    one built from the stored codes and scales: a linear layer by an Int4Linear or Int8Linear per its type, an
+    embedding by an Int8Embedding, and the LM head tied to it by the linear layer of its type.
+
+    A tied Q8_0 / Q5_K / Q6_K embedding and head share one int8 matrix with per-row scales: the head needs that
+    layout for its kernel, and a second, exact copy for the embedding (Q8_0's per-32 scales) would cost the whole
+    matrix again (demo model: 30 MB more, 1.27x the file instead of 0.96x) to spare its rows an error of at most 1/254
+    of their largest weight (measured on the demo: KL divergence from the float32 model 0.0026 shared, 0.0022 with
+    the exact copy; most of it is the head's requantization, which both carry). A tied int4 head has no such choice:
+    the int4 kernel's packed layout cannot be gathered from, so its embedding keeps the codes a second time.
+    """
     modules = dict(model.named_modules())
+    head = model.get_output_embeddings()
+    head_name = next((name for name, module in modules.items() if module is head), None)
     for hf_name, name in weights.items():
-        info = file.tensors[name]
+        # Built where the model will live: Int4Linear packs its codes for the device they are on.
+        info, raw = file.tensors[name], file.raw(name).to(device)
         module_name = hf_name.removesuffix(".weight")
-        parts = int4_groups(file.raw(name), info.ggml_type, info.shape)
-        if heads := permuted_heads(arch, name, config):
-            parts = tuple(unpermute_rotary(part, heads) for part in parts)
-        layer = Int4Linear(*parts, modules[module_name].bias)
-        parent, _, child = module_name.rpartition(".")
-        setattr(modules[parent], child, layer)
-        progress.add(layer.packed.nbytes + layer.scales_and_zeros.nbytes)
+        module = modules[module_name]
+        if isinstance(module, torch.nn.Embedding):
+            tied = head_name is not None and head.weight is module.weight
+            replacement, tied_head = quantized_embedding(raw, info.ggml_type, info.shape, dtype, tied)
+            if tied_head is not None:
+                replace_module(model, head_name, tied_head)
+                progress.add(buffer_bytes(tied_head, exclude=replacement))
+        else:
+            heads = permuted_heads(arch, name, config)
+            replacement = quantized_linear(raw, info.ggml_type, info.shape, dtype, module.bias, heads)
+        replace_module(model, module_name, replacement)
+        progress.add(buffer_bytes(replacement))
+
+
+def quantized_linear(
+    raw: torch.Tensor,
+    ggml_type: int,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    heads: int | None = None,
+) -> Int4Linear | Int8Linear:
+    """The linear layer of a stored matrix: its int4 codes as stored, or int8 codes requantized per row; `heads`
+    undoes llama.cpp's rotary permutation of its rows."""
+    if ggml_type in INT4_GROUP_TYPES:
+        parts = int4_groups(raw, ggml_type, shape)
+    else:
+        parts = int8_rows(raw, ggml_type, shape, dtype)
+    if heads:
+        parts = tuple(unpermute_rotary(part, heads) for part in parts)
+    return Int4Linear(*parts, bias) if ggml_type in INT4_GROUP_TYPES else Int8Linear(*parts, bias)
+
+
+def quantized_embedding(
+    raw: torch.Tensor, ggml_type: int, shape: tuple[int, int], dtype: torch.dtype, tied: bool
+) -> tuple[Int8Embedding, Int4Linear | Int8Linear | None]:
+    """The embedding of a stored matrix, and with `tied` the LM head that shares it (see keep_quantized).
+
+    Q8_0 keeps its codes and per-32 scales: exactly the dequantized rows. Q5_K / Q6_K rows are requantized to int8
+    per row (dequant.int8_rows). Q4_0 / Q4_1 / Q4_K keep their codes (as int8 q - 8) and per-32 scales and zeros in
+    float32: exactly the dequantized rows (Q4_K within float32's rounding of its zeros)."""
+    head = quantized_linear(raw, ggml_type, shape, dtype, None) if tied else None
+    if isinstance(head, Int8Linear):
+        return Int8Embedding(head.codes, head.scales.unsqueeze(1), None, dtype), head
+    if ggml_type == gguf.GGMLQuantizationType.Q8_0:
+        return Int8Embedding(*int8_groups(raw, ggml_type, shape), None, dtype), head
+    if ggml_type in INT8_TYPES:
+        codes, scales = int8_rows(raw, ggml_type, shape, dtype)
+        return Int8Embedding(codes, scales.unsqueeze(1), None, dtype), head
+    codes, scales, zeros = int4_groups(raw, ggml_type, shape)
+    offset = None if ggml_type == gguf.GGMLQuantizationType.Q4_0 else zeros  # Q4_0's zeros are all 0
+    return Int8Embedding(codes.view(torch.int8).sub_(8), scales, offset, dtype), head
+
+
+def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def buffer_bytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    """Bytes of the module's buffers, less the storages it shares with `exclude`'s."""
+    shared = {b.untyped_storage().data_ptr() for b in exclude.buffers()} if exclude is not None else set()
+    return sum(b.nbytes for b in module.buffers() if b.untyped_storage().data_ptr() not in shared)
 
 
 def apply_rope_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:

@@ -18,11 +18,16 @@ from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
+from rbee_worker.models.quantize import quantize_linears
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress) -> LoadedModel:
+def load_hf_directory(
+    path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, quantize: str = "none"
+) -> LoadedModel:
+    """The model of a Hugging Face directory on `device` in `dtype`; with `quantize` "int8" / "int4", its decoder
+    layers' linear layers quantized after loading (the caller checks quantized_supported)."""
     config = read_config(path)
     model_class = causal_lm_class(config, path)
     shards = weight_files(path)
@@ -50,6 +55,8 @@ def load_hf_directory(path: Path, device: torch.device, dtype: torch.dtype, prog
             f"cannot load the weights of {path} ({first_line(exc)}); re-download or re-convert the model"
         ) from exc
     check_loading_info(loading_info, path, config.model_type)
+    if quantize != "none":
+        quantize_linears(model, quantize)
     info = {
         "name": path.name,
         "path": path,

@@ -1,11 +1,17 @@
-"""Linear layers whose weights stay 4-bit on the CPU: GGUF Q4_0 / Q4_1 / Q4_K matrices as stored, run by PyTorch's int4
-weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, the one torchao's Int4 CPU layout uses).
+"""Linear layers whose weights stay 4-bit: GGUF Q4_0 / Q4_1 / Q4_K matrices as stored (or a model quantized at load,
+models/quantize.py), run by PyTorch's int4 weight-only kernels: `aten._weight_int4pack_mm_for_cpu` on the CPU (the one
+torchao's Int4 CPU layout uses) and tinygemm's `aten._weight_int4pack_mm` on CUDA (torchao's tensor-core layout).
 
-The kernel dequantizes w = (q - 8) * scale + zero per group of 32 inputs on the fly, so a decode step reads half a
-byte per weight instead of two. Its scales and zeros must have the activations' dtype, and only bfloat16 runs fast
-(measured here: an MLP matrix of the demo model takes 72 us in bfloat16, 3 ms in float32, 7.8 ms in float16): the
-GGUF scales and zeros (float16, or Q4_K's float32 products of its two levels of scales) are therefore rounded to
-bfloat16 once, a relative change of at most 2^-9 each. The codes themselves are the file's.
+Both dequantize w = (q - 8) * scale + zero per group of 32 inputs on the fly, so a decode step reads half a byte per
+weight instead of two. Their scales and zeros must have the activations' dtype, and only bfloat16 runs fast on the CPU
+(measured here: an MLP matrix of the demo model takes 72 us in bfloat16, 3 ms in float32, 7.8 ms in float16); the CUDA
+kernel takes bfloat16 only. The GGUF scales and zeros (float16, or Q4_K's float32 products of its two levels of
+scales) are therefore rounded to bfloat16 once, a relative change of at most 2^-9 each. The codes themselves are the
+file's.
+
+On an H200, tinygemm ran the products of a Llama-3.1-8B decode step (one row, as a CUDA graph) in 3.13 ms against
+4.61 ms in bfloat16 (cuBLAS), but 6.0 ms at 8 rows and 34.7 ms at 64 (bfloat16: 4.7 and 4.9 ms): 4-bit weights pay
+off for few concurrent sequences (bench/results/weight_only_kernels_NVIDIA_H200.json).
 """
 
 import torch
@@ -17,15 +23,26 @@ INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / INT4_GROUP
 
 
 class Int4Linear(torch.nn.Module):
-    """y = x W^T + b, W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32], in bfloat16."""
+    """y = x W^T + b, W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32], in bfloat16.
+
+    The weights are packed for the device that `codes` is on (the two kernels' layouts differ): build the layer where
+    it will run."""
 
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        # innerKTiles 1: the CPU kernel's only layout.
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        if codes.device.type == "cuda":
+            # tinygemm takes two codes per byte, the even input in the high half; inner k-tiles: the largest of its
+            # 2 / 4 / 8 that divides the input size (each tile is 16 inputs).
+            pairs = (codes[:, ::2].to(torch.uint8) << 4) | codes[:, 1::2].to(torch.uint8)
+            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+        else:
+            # innerKTiles 1: the CPU kernel's only layout.
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.register_buffer("packed", packed)
         self.register_buffer(
             "scales_and_zeros", torch.stack([scales.T, zeros.T], dim=-1).to(torch.bfloat16).contiguous()
         )
@@ -33,13 +50,12 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+        if self.packed.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(rows.contiguous(), self.packed, INT4_GROUP, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def int4_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

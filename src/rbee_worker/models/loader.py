@@ -11,9 +11,9 @@ import torch
 from rbee_worker.devices import Placement, check_placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.demo import demo_model_path
-from rbee_worker.models.int4_linear import int4_supported
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.progress import LoadProgress
+from rbee_worker.models.quantize import quantized_supported
 
 GGUF_MAGIC = b"GGUF"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -66,8 +66,9 @@ def load_model(
     """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message.
 
     `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory);
-    `chat_template` (Jinja text) replaces the model's own; `quantize` "int4" keeps a GGUF file's 4-bit matrices
-    4-bit (see models/int4_linear.py).
+    `chat_template` (Jinja text) replaces the model's own; `quantize` "int8" / "int4" quantizes a float model's
+    decoder layers at load (models/quantize.py) and keeps a GGUF file's quantized matrices in its own types (either
+    value: the file decides; models/gguf_model.py).
     """
     import transformers
 
@@ -81,17 +82,17 @@ def load_model(
     started = time.perf_counter()
     progress = progress or LoadProgress()
     path = resolve_model_path(spec)
-    if quantize == "int4" and not int4_supported(placement.device, placement.dtype):
+    if quantize != "none" and not quantized_supported(placement.device, placement.dtype):
         raise ModelLoadError(
-            "--quantize int4 runs on the CPU in bfloat16 only, for now: add --device cpu --dtype bfloat16"
+            f"--quantize {quantize} runs in bfloat16 on the CPU or on a CUDA GPU of compute capability 8.0 or newer; "
+            f"{placement.device} with {str(placement.dtype).removeprefix('torch.')} cannot: add --dtype bfloat16 or "
+            "drop --quantize"
         )
     try:
         if path.is_dir():
-            if quantize != "none":
-                raise ModelLoadError(f"--quantize {quantize} is for GGUF files only, for now; {path} is a directory")
-            loaded = load_hf_directory(path, placement.device, placement.dtype, progress)
+            loaded = load_hf_directory(path, placement.device, placement.dtype, progress, quantize)
         elif path.is_file() and is_gguf(path):
-            loaded = load_gguf(path, placement.device, placement.dtype, progress, keep_int4=quantize == "int4")
+            loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantize != "none")
         else:
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     except torch.OutOfMemoryError as exc:

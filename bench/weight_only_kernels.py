@@ -1,0 +1,108 @@
+"""The products of one Llama-3.1-8B decode step (32 layers' q/k/v/o/gate/up/down and the LM head, distinct matrices so
+that nothing stays in cache) replayed as one CUDA graph, per weight format: bfloat16 (cuBLAS), int4 group 32
+(tinygemm `_weight_int4pack_mm`, what Int4Linear runs on CUDA), int8 per row (PyTorch's `_weight_int8pack_mm`, and
+our Triton kernels that Int8Linear runs on CUDA). GPU only; random weights.
+
+    PYTHONPATH=src python bench/weight_only_kernels.py
+
+Prints the median of 20 replays per (format, rows) and writes bench/results/weight_only_kernels_<card>.json.
+"""
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rbee_worker.models.cuda_weight_only import int8_matmul
+from rbee_worker.models.int4_linear import Int4Linear
+
+LAYERS = 32
+HIDDEN, KV, MLP, VOCAB = 4096, 1024, 14336, 128256
+SHAPES = ((HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP))
+ROWS = (1, 8, 64)
+
+
+def graph_ms(products: Callable[[dict[int, torch.Tensor]], None], rows: int) -> float:
+    inputs = {k: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for k in (HIDDEN, MLP)}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and Triton's autotuning) before capture
+        products(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        products(inputs)
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[3:])[10]
+
+
+def matrices(make: Callable[[int, int], object]) -> list[object]:
+    return [make(out, inp) for _ in range(LAYERS) for out, inp in SHAPES] + [make(VOCAB, HIDDEN)]
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of reading a 4 GiB tensor (float32 sum)."""
+    data = torch.empty(2**30, device="cuda", dtype=torch.float32)
+    data.sum()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        data.sum()
+    torch.cuda.synchronize()
+    return 10 * data.nbytes / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    card = torch.cuda.get_device_name()
+    result: dict = {"card": card, "torch": torch.__version__, "read_GBps": read_bandwidth() / 1e9, "formats": {}}
+
+    def bf16(out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def int4(out: int, inp: int) -> Int4Linear:
+        codes = torch.randint(0, 16, (out, inp), device="cuda", dtype=torch.int32)
+        scales = torch.rand(out, inp // 32, device="cuda") * 0.01
+        return Int4Linear(codes, scales, torch.zeros_like(scales), None)
+
+    def int8(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(-127, 128, (out, inp), device="cuda", dtype=torch.int8)
+        return codes, torch.rand(out, device="cuda") * 1e-3
+
+    formats: dict[str, tuple[Callable, Callable]] = {
+        "bfloat16 (cuBLAS)": (bf16, lambda x, w: F.linear(x, w)),
+        "int4 g32 (tinygemm)": (int4, lambda x, layer: layer(x)),
+        "int8 (Triton, ours)": (int8, lambda x, w: int8_matmul(x, *w)),
+        "int8 (_weight_int8pack_mm)": (int8, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1].bfloat16())),
+    }
+    for name, (make, apply) in formats.items():
+        weights = matrices(make)
+
+        def products(inputs: dict[int, torch.Tensor], weights: list = weights, apply: Callable = apply) -> None:
+            for w, (_, inp) in zip(weights, [*SHAPES * LAYERS, (VOCAB, HIDDEN)], strict=True):
+                apply(inputs[inp], w)
+
+        rows = ROWS if "pack_mm" not in name else (1,)  # PyTorch's int8 kernel takes a second at 64 rows
+        result["formats"][name] = {str(r): graph_ms(products, r) for r in rows}
+        print(name, json.dumps(result["formats"][name]), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"weight_only_kernels_{card.replace(' ', '_')}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
