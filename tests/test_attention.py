@@ -57,6 +57,19 @@ def test_attention_equals_attention_written_out(case: str, rows: int, q_len: int
     torch.testing.assert_close(output[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
+def test_attention_compiles_whole_with_dynamic_shapes() -> None:
+    """Under torch.compile(dynamic=True) the head counts are symbolic; SDPA's enable_gqa flag takes a plain bool, so
+    deriving it from them broke the graph at every layer (and the model's layer loop with it: the engine's
+    --compile then ran the layers one by one). fullgraph=True fails on any graph break."""
+    compiled = torch.compile(attention, fullgraph=True, dynamic=True)
+    for rows, q_len, kv_len in ((1, 20, 20), (1, 33, 33), (4, 1, 37)):
+        query, key, value = qkv(rows, q_len, kv_len)
+        mask = decode_mask(torch.full((rows,), kv_len), kv_len, torch.float32) if q_len == 1 else None
+        got, _ = compiled(_Layer(), query, key, value, mask)
+        expected, _ = attention(_Layer(), query, key, value, mask)
+        torch.testing.assert_close(got, expected)
+
+
 def test_the_engine_runs_the_real_model_through_it(demo_gguf: Path) -> None:
     engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
     try:

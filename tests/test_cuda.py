@@ -100,7 +100,7 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
             results.append(submit_together(engine, greedy_requests, timeout=300))
             # The path under test really ran.
             assert (engine._graphs is not None) is graphs
-            assert (engine._forward_module is not engine.loaded.model) is (graphs and compile_model)
+            assert (engine._forward_module is not engine._model) is compile_model
         finally:
             engine.close()
     assert results[0] == results[1]

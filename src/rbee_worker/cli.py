@@ -160,8 +160,9 @@ def build_parser() -> Parser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="with CUDA graphs, run the model through torch.compile (experimental, default off: its start-up on an "
-        "8B model is not measured yet)",
+        help="run the model through torch.compile (inside the CUDA graphs on a GPU), compiled before the worker "
+        "reports ready (default off: it adds minutes to the start-up; the demo model on 2 CPU cores decodes 1.7x "
+        "faster with int4 weights)",
     )
     jobs.add_argument(
         "--chat-template",

@@ -154,7 +154,7 @@ class Engine:
         self._use_cuda_graphs = cuda_graphs and not deterministic
         self._graphs: DecodeGraphs | None = None
         self._prefill_graphs: PrefillGraphs | None = None  # first prompt chunks, for the plain (uncompiled) forward
-        self._compile = compile_model  # the forward through torch.compile, where CUDA graphs replay it
+        self._compile = compile_model  # the forward through torch.compile (inside the CUDA graphs on a GPU)
         self._observer = observer or _NoObserver()
         self._load = load
         self._loaded: LoadedModel | None = None
@@ -376,13 +376,15 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            loaded = self._pack_for_cpu(self._load())
+            loaded = self._load()
+            if not self._compile:  # inductor packs the weights of what it compiles itself
+                loaded = self._pack_for_cpu(loaded)
             use_engine_attention(loaded.model)
             self._model = self._forward_module = loaded.model
             self._dtype = loaded.info.dtype
             self._cache_kwarg = cache_kwarg(loaded.model)
             self._cache = self._allocate_cache(loaded)
-            self._prepare_cuda(loaded)
+            self._prepare_forward(loaded)
             self._loaded = loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
@@ -437,37 +439,42 @@ class Engine:
         weight_bytes = tensor_bytes(loaded.model) + packed_bytes(loaded.model)
         return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
 
-    def _prepare_cuda(self, loaded: LoadedModel) -> None:
-        """On a GPU, before the worker reports ready: the forward compiled (torch.compile: inductor fuses the norms,
-        rotary embeddings, activations and attention glue that otherwise run as hundreds of small kernels), the decode
-        graphs captured for the common shapes, and a prefill run so that no request waits for a compilation."""
-        if not (self._use_cuda_graphs and loaded.info.device.type == "cuda"):
+    def _prepare_forward(self, loaded: LoadedModel) -> None:
+        """Before the worker reports ready: with --compile, the forward through torch.compile (inductor fuses the
+        norms, rotary embeddings, activations and attention glue that otherwise run as hundreds of small kernels or
+        Python-level operations), run once for each class of shapes so that no request waits for a compilation; on a
+        GPU, the decode graphs captured for the common shapes (of the compiled or the plain forward)."""
+        graphs = self._use_cuda_graphs and loaded.info.device.type == "cuda"
+        if not (graphs or self._compile):
             return
         started = time.perf_counter()
         with torch.inference_mode():
             if self._compile:
                 try:
                     self._forward_module = torch.compile(loaded.model, dynamic=True)
-                    self._warm_up()
-                except Exception as exc:  # e.g. no Triton for this GPU: slower, but it runs
+                    self._warm_up(graphs)
+                except Exception as exc:  # e.g. no Triton for this GPU, no C++ compiler: slower, but it runs
                     log.warning("torch.compile failed, running the model uncompiled: %s", str(exc).splitlines()[0])
                     torch._dynamo.reset()
                     self._forward_module, self._graphs, self._prefill_graphs = loaded.model, None, None
-            if self._graphs is None:
-                self._warm_up()
+            if graphs and self._graphs is None:
+                self._warm_up(graphs)
         log.info(
-            "captured %d CUDA graphs of the %s forward in %.1f s",
-            len(self._graphs.graphs) + len(self._prefill_graphs.graphs if self._prefill_graphs else ()),
+            "prepared the %s forward in %.1f s (%d CUDA graphs)",
             "plain" if self._forward_module is loaded.model else "compiled",
             time.perf_counter() - started,
+            len(self._graphs.graphs if self._graphs else ())
+            + len(self._prefill_graphs.graphs if self._prefill_graphs else ()),
         )
 
-    def _warm_up(self) -> None:
-        """Capture the decode graphs up to GRAPH_WARM_SPAN, and for the plain forward the first-chunk prefill graphs;
-        a compiled forward instead runs prefill forwards of one and two rows, of different lengths, so that it is
-        compiled for any length before the first request (it launches few kernels: graphs would gain little)."""
-        self._graphs = DecodeGraphs(self._forward_module, self._cache, self._cache_kwarg, self._dtype)
-        self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
+    def _warm_up(self, graphs: bool) -> None:
+        """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN, and for the plain forward the first-chunk
+        prefill graphs. A compiled forward also runs prompt chunks of one and two rows, of different lengths (and
+        without graphs decode steps of one and two rows), so that it is compiled for any shape before the first
+        request (with graphs it launches few kernels: prefill graphs would gain little)."""
+        if graphs:
+            self._graphs = DecodeGraphs(self._forward_module, self._cache, self._cache_kwarg, self._dtype)
+            self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
         if self._forward_module is self._model:
             self._prefill_graphs = PrefillGraphs(
                 self._model, self._cache, self._cache_kwarg, self._dtype, self.prefill_chunk, self._graphs.pool
@@ -477,9 +484,13 @@ class Engine:
             # Slots 0 and 1, which no request holds yet.
             self._prompt_forward([0], [([0] * 16, 0)])
             self._prompt_forward([0], [([0] * 48, 16)])
-            if self._cache.slots > 1:
-                self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
-        torch.cuda.synchronize(self._model.device)
+            rows = min(self._cache.slots, 2)
+            self._prompt_forward(list(range(rows)), [([0] * 16, 0), ([0] * 8, 0)][:rows])
+            if not graphs:
+                for count in range(1, rows + 1):
+                    self._decode_step([0] * count, [32] * count, [33] * count, first=0)
+        if self._model.device.type == "cuda":
+            torch.cuda.synchronize(self._model.device)
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -572,7 +583,7 @@ class Engine:
     def _decode_rows(self, sequences: list[_Sequence]) -> None:
         """A forward over the cache rows from the lowest to the highest slot of `sequences`; rows in between that are
         not theirs (free slots, sequences still in prefill) compute a throwaway token into the scratch position."""
-        cache, device = self._cache, self._model.device
+        cache = self._cache
         first = 0 if self._graphs else min(s.slot for s in sequences)  # graphs always start at row 0
         rows = max(s.slot for s in sequences) + 1 - first
         tokens = [0] * rows
@@ -586,17 +597,19 @@ class Engine:
             if self._graphs:
                 logits = self._graphs.run(tokens, positions, lengths)
             else:
-                position_ids = torch.tensor(positions, device=device)[:, None]
-                kv_len = max(lengths)
-                cache.prepare(first, position_ids, kv_len)
-                logits = self._forward(
-                    torch.tensor(tokens, device=device)[:, None],
-                    position_ids,
-                    decode_mask(torch.tensor(lengths, device=device), kv_len, self._dtype),
-                )
+                logits = self._decode_step(tokens, positions, lengths, first)
             for s in sequences:
                 s.cached += 1
             self._choose(sequences, logits, first)
+
+    def _decode_step(self, tokens: list[int], positions: list[int], lengths: list[int], first: int) -> torch.Tensor:
+        """The eager forward of one decode step over cache rows first.. first + len(tokens) - 1."""
+        device = self._model.device
+        position_ids = torch.tensor(positions, device=device)[:, None]
+        kv_len = max(lengths)
+        self._cache.prepare(first, position_ids, kv_len)
+        mask = decode_mask(torch.tensor(lengths, device=device), kv_len, self._dtype)
+        return self._forward(torch.tensor(tokens, device=device)[:, None], position_ids, mask)
 
     def _choose(self, sequences: list[_Sequence], logits: torch.Tensor, first: int) -> None:
         """Each sequence's next token from its row (slot - first) of `logits`. Plain greedy rows take the argmax

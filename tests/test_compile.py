@@ -1,0 +1,57 @@
+"""--compile on the CPU: the engine runs its forward through torch.compile, compiled for every class of shapes before
+it reports ready, and decodes what the plain forward decodes (a random-weight Llama in float32 with peaked logits,
+so that rounding cannot flip a choice)."""
+
+import functools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, submit_together
+
+from rbee_worker.devices import Placement
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import Request
+from rbee_worker.models.loader import load_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    return make_tiny_model(
+        tmp_path_factory.mktemp("llama") / "model",
+        "llama",
+        demo_tokenizer_dir,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
+
+
+def test_compiled_cpu_forward_decodes_as_the_plain_one(random_llama: Path) -> None:
+    load = functools.partial(load_model, str(random_llama), Placement(torch.device("cpu"), torch.float32))
+    results = []
+    for compile_model in (False, True):
+        engine = Engine(load, max_batch=4, compile_model=compile_model)
+        try:
+            model = engine.loaded.model  # waits for the load (and the compilation)
+            assert (engine._forward_module is not model) is compile_model
+            # Compiled before ready: the first requests (one alone, then three together) find every shape compiled.
+            started = time.perf_counter()
+            alone = submit_together(engine, [Request(engine.tokenize(PROMPTS[0]), max_tokens=24,
+                                                     sampling=SamplingParams(temperature=0))])  # fmt: skip
+            together = submit_together(
+                engine,
+                [Request(engine.tokenize(p), max_tokens=24, sampling=SamplingParams(temperature=0)) for p in PROMPTS],
+            )
+            assert time.perf_counter() - started < 10  # a compilation takes tens of seconds here
+            results.append((alone, together))
+        finally:
+            engine.close()
+    assert results[0] == results[1]
