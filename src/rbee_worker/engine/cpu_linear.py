@@ -11,6 +11,8 @@ fp16 is left alone: on CPUs without FP16 matrix instructions oneDNN has no fast 
 
 import torch
 
+from rbee_worker.models.quantize import replace_linears
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -46,10 +48,7 @@ def can_pack(model: torch.nn.Module) -> bool:
 def pack_linears(model: torch.nn.Module) -> None:
     """Swap every nn.Linear of a CPU model for a PackedLinear. The plain weights are then freed, except one that is
     tied to another module (a tied LM head keeps the embedding it shares, beside its packed copy)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+    replace_linears(model, PackedLinear)
 
 
 def packed_bytes(model: torch.nn.Module) -> int:

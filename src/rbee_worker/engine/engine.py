@@ -484,11 +484,11 @@ class Engine:
             # Slots 0 and 1, which no request holds yet.
             self._prompt_forward([0], [([0] * 16, 0)])
             self._prompt_forward([0], [([0] * 48, 16)])
-            rows = min(self._cache.slots, 2)
-            self._prompt_forward(list(range(rows)), [([0] * 16, 0), ([0] * 8, 0)][:rows])
+            if self._cache.slots > 1:
+                self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
             if not graphs:
-                for count in range(1, rows + 1):
-                    self._decode_step([0] * count, [32] * count, [33] * count, first=0)
+                for rows in range(1, min(self._cache.slots, 2) + 1):
+                    self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
         if self._model.device.type == "cuda":
             torch.cuda.synchronize(self._model.device)
 

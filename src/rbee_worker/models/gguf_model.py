@@ -65,7 +65,7 @@ def load_gguf(
 ) -> LoadedModel:
     """The model of a GGUF file on `device`, its weights dequantized to `dtype`; with `quantized`, the file's quantized
     matrices of linear layers and token embedding stay quantized instead: Q4_0 / Q4_1 / Q4_K as int4, Q8_0 / Q5_K /
-    Q6_K as int8 (see keep_quantized), F16 / BF16 / F32 as they are (the caller checks int4_supported)."""
+    Q6_K as int8 (see keep_quantized), F16 / BF16 / F32 as they are (the caller checks quantized_supported)."""
     file = read_gguf(path)
     arch = file.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -317,12 +317,12 @@ def quantized_linear(
     """The linear layer of a stored matrix: its int4 codes as stored, or int8 codes requantized per row; `heads`
     undoes llama.cpp's rotary permutation of its rows."""
     if ggml_type in INT4_GROUP_TYPES:
-        parts = int4_groups(raw, ggml_type, shape)
+        layer_class, parts = Int4Linear, int4_groups(raw, ggml_type, shape)
     else:
-        parts = int8_rows(raw, ggml_type, shape, dtype)
+        layer_class, parts = Int8Linear, int8_rows(raw, ggml_type, shape, dtype)
     if heads:
         parts = tuple(unpermute_rotary(part, heads) for part in parts)
-    return Int4Linear(*parts, bias) if ggml_type in INT4_GROUP_TYPES else Int8Linear(*parts, bias)
+    return layer_class(*parts, bias)
 
 
 def quantized_embedding(

@@ -1,5 +1,6 @@
 """`--quantize int8|int4` for a model loaded in floating point (a safetensors directory): the decoder layers' linear
-layers become Int8Linear / Int4Linear, one layer at a time, so the float copy of only one matrix exists beside them.
+layers become Int8Linear / Int4Linear, one matrix at a time, each float matrix freed as its quantized layer replaces
+it (the float model is loaded whole first).
 
 int8: one scale per output row, absmax / 127 (symmetric, round to nearest): what torchao's Int8WeightOnlyConfig does,
 and the only layout of PyTorch's int8 CPU kernel. On the demo model it is the less accurate of the two (last logits 2.6
@@ -11,6 +12,7 @@ head decides every token.
 """
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -41,15 +43,21 @@ def quantized_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def quantize_linears(model: torch.nn.Module, mode: str) -> None:
-    """Swap each nn.Linear of the model's decoder layers for its int8 / int4 version, on the layer's own device."""
-    for parent in list(model.get_decoder().layers.modules()):
+    """Swap each nn.Linear of the model's decoder layers for its int8 / int4 version, on the layer's own device (a
+    matrix whose inputs do not split into groups of 32 stays as it is under int4)."""
+
+    def quantized(linear: torch.nn.Linear) -> torch.nn.Module | None:
+        weight = linear.weight.detach()
+        if mode == "int8":
+            return Int8Linear(*int8_per_row(weight, weight.dtype), linear.bias)
+        return Int4Linear(*int4_affine(weight), linear.bias) if linear.in_features % INT4_GROUP == 0 else None
+
+    replace_linears(model.get_decoder().layers, quantized)
+
+
+def replace_linears(root: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module | None]) -> None:
+    """Replace each plain nn.Linear under `root` by `make(linear)`, where that returns a module."""
+    for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or (mode == "int4" and child.in_features % INT4_GROUP):
-                continue  # (a matrix whose inputs do not split into groups of 32 stays as it is)
-            weight = child.weight.detach()
-            if mode == "int4":
-                layer: torch.nn.Module = Int4Linear(*int4_affine(weight), child.bias)
-            else:
-                layer = Int8Linear(*int8_per_row(weight, weight.dtype), child.bias)
-            setattr(parent, name, layer)
-            del child, weight
+            if type(child) is torch.nn.Linear and (replacement := make(child)) is not None:
+                setattr(parent, name, replacement)
