@@ -6,8 +6,8 @@ torch.compile (inductor kernels inside the same graph). GPU only.
 
 Without --dynamic each shape is compiled for itself (a fair kernel-level comparison); with it, the engine's own
 setting (`torch.compile(dynamic=True)`, one compilation for all shapes). --regional compiles the decoder layers
-instead of the whole model (torch's regional compilation: the layers share one compiled code, so the compile time is
-about one layer's). Prints each step time (median of 3 x 50
+instead of the whole model, as the engine's --compile does (engine/compiled.py: the layers share one compiled code,
+dynamic shapes, so the compile time is about one layer's). Prints each step time (median of 3 x 50
 replays) and writes bench/results/graph_compile_<model>_<card>.json.
 """
 
@@ -21,6 +21,7 @@ import torch
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.attention import use_engine_attention
+from rbee_worker.engine.compiled import compile_model
 from rbee_worker.engine.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.engine import cache_kwarg
 from rbee_worker.engine.kv_cache import SlotCache
@@ -65,8 +66,7 @@ def main() -> None:
         plain = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)
         plain_s = {shape: step_seconds(plain, *shape) for shape in SHAPES}  # captured before any compilation
         if args.regional:
-            for layer in model.get_decoder().layers:
-                layer.compile(dynamic=args.dynamic)
+            compile_model(model, cache)
             forward = model
         else:
             forward = torch.compile(model, dynamic=args.dynamic)

@@ -1,9 +1,10 @@
 """The products of one Llama-3.1-8B decode step (32 layers' q/k/v/o/gate/up/down and the LM head, distinct matrices so
-that nothing stays in cache) replayed as one CUDA graph, per weight format: bfloat16 (cuBLAS), int4 group 32
-(tinygemm `_weight_int4pack_mm`, what Int4Linear runs on CUDA), int8 per row (PyTorch's `_weight_int8pack_mm`, and
-our Triton kernels that Int8Linear runs on CUDA). GPU only; random weights.
+that nothing stays in cache) replayed as one CUDA graph, per weight format: bfloat16 (cuBLAS); int4 group 32 as
+PyTorch's tinygemm (`_weight_int4pack_mm`), as tinygemm's weights dequantized for cuBLAS (cuda_weight_only.py), and
+as Int4Linear runs them on CUDA (the first up to INT4_KERNEL_ROWS rows, the second beyond); int8 per row as
+PyTorch's `_weight_int8pack_mm` and as our Triton kernels that Int8Linear runs on CUDA. GPU only; random weights.
 
-    PYTHONPATH=src python bench/weight_only_kernels.py
+    PYTHONPATH=src python bench/weight_only_kernels.py [--merged]
 
 Prints the median of 20 replays per (format, rows) and writes bench/results/weight_only_kernels_<card>.json.
 """
@@ -17,13 +18,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rbee_worker.models.cuda_weight_only import int8_matmul
+from rbee_worker.models.cuda_weight_only import int8_matmul, tinygemm_dequantize
 from rbee_worker.models.int4_linear import Int4Linear
 
 LAYERS = 32
 HIDDEN, KV, MLP, VOCAB = 4096, 1024, 14336, 128256
 SHAPES = ((HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP))
-ROWS = (1, 8, 64)
+# q/k/v as one matrix and gate/up as one (what vLLM loads): the same bytes in 4 products per layer instead of 7.
+MERGED = ((HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP))
+ROWS = (1, 8, 64, 512)
 
 
 def graph_ms(products: Callable[[dict[int, torch.Tensor]], None], rows: int) -> float:
@@ -47,8 +50,8 @@ def graph_ms(products: Callable[[dict[int, torch.Tensor]], None], rows: int) -> 
     return sorted(times[3:])[10]
 
 
-def matrices(make: Callable[[int, int], object]) -> list[object]:
-    return [make(out, inp) for _ in range(LAYERS) for out, inp in SHAPES] + [make(VOCAB, HIDDEN)]
+def matrices(make: Callable[[int, int], object], shapes: tuple[tuple[int, int], ...]) -> list[object]:
+    return [make(out, inp) for _ in range(LAYERS) for out, inp in shapes] + [make(VOCAB, HIDDEN)]
 
 
 def read_bandwidth() -> float:
@@ -65,10 +68,15 @@ def read_bandwidth() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--merged", action="store_true", help="q/k/v and gate/up as one matrix each")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    shapes = MERGED if args.merged else SHAPES
     card = torch.cuda.get_device_name()
-    result: dict = {"card": card, "torch": torch.__version__, "read_GBps": read_bandwidth() / 1e9, "formats": {}}
+    result: dict = {
+        "card": card, "torch": torch.__version__, "merged": args.merged, "read_GBps": read_bandwidth() / 1e9,
+        "formats": {},
+    }  # fmt: skip
 
     def bf16(out: int, inp: int) -> torch.Tensor:
         return torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -78,21 +86,31 @@ def main() -> None:
         scales = torch.rand(out, inp // 32, device="cuda") * 0.01
         return Int4Linear(codes, scales, torch.zeros_like(scales), None)
 
+    def tinygemm(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = torch.randint(0, 256, (out, inp // 2), device="cuda", dtype=torch.uint8)
+        scales_and_zeros = torch.rand(inp // 32, out, 2, device="cuda", dtype=torch.bfloat16) * 0.01
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, 8), scales_and_zeros
+
+    def dequantized(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+        return x @ tinygemm_dequantize(layer.packed, layer.scales_and_zeros, x.dtype)
+
     def int8(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.randint(-127, 128, (out, inp), device="cuda", dtype=torch.int8)
         return codes, torch.rand(out, device="cuda") * 1e-3
 
     formats: dict[str, tuple[Callable, Callable]] = {
         "bfloat16 (cuBLAS)": (bf16, lambda x, w: F.linear(x, w)),
-        "int4 g32 (tinygemm)": (int4, lambda x, layer: layer(x)),
+        "int4 g32 (tinygemm)": (tinygemm, lambda x, w: torch.ops.aten._weight_int4pack_mm(x, w[0], 32, w[1])),
+        "int4 g32 (Int4Linear)": (int4, lambda x, layer: layer(x)),
+        "int4 g32 (dequantized + cuBLAS)": (int4, dequantized),
         "int8 (Triton, ours)": (int8, lambda x, w: int8_matmul(x, *w)),
         "int8 (_weight_int8pack_mm)": (int8, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1].bfloat16())),
     }
     for name, (make, apply) in formats.items():
-        weights = matrices(make)
+        weights = matrices(make, shapes)
 
         def products(inputs: dict[int, torch.Tensor], weights: list = weights, apply: Callable = apply) -> None:
-            for w, (_, inp) in zip(weights, [*SHAPES * LAYERS, (VOCAB, HIDDEN)], strict=True):
+            for w, (_, inp) in zip(weights, [*shapes * LAYERS, (VOCAB, HIDDEN)], strict=True):
                 apply(inputs[inp], w)
 
         rows = ROWS if "pack_mm" not in name else (1,)  # PyTorch's int8 kernel takes a second at 64 rows
@@ -101,7 +119,8 @@ def main() -> None:
         del weights
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"weight_only_kernels_{card.replace(' ', '_')}.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = f"weight_only_kernels_{card.replace(' ', '_')}{'_merged' if args.merged else ''}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

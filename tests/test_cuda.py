@@ -8,14 +8,19 @@ import torch
 from conftest import greedy, make_tiny_model, submit_together
 
 from rbee_worker.devices import Placement
+from rbee_worker.engine.compiled import is_compiled
 from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.kv_cache import decode_mask
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
+from rbee_worker.models.merged_linear import stack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+if torch.cuda.is_available():
+    from rbee_worker.engine.decode_attention import decode_attention
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -100,7 +105,7 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
             results.append(submit_together(engine, greedy_requests, timeout=300))
             # The path under test really ran.
             assert (engine._graphs is not None) is graphs
-            assert (engine._forward_module is not engine._model) is compile_model
+            assert is_compiled(engine._model) is compile_model
         finally:
             engine.close()
     assert results[0] == results[1]
@@ -161,10 +166,11 @@ def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
             engine.close()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_quantized_layers_on_cuda_compute_their_weights(rows: int) -> None:
-    """Int4Linear (tinygemm) and Int8Linear (our Triton kernels; one row takes the GEMV kernel, more the tensor-core
-    one) on CUDA against float32 products with the weights they stand for; bfloat16 activations and output, so within
+    """Int4Linear and Int8Linear (our Triton kernels: one row takes the GEMV kernel, more the tensor-core one, and
+    int4 beyond INT4_KERNEL_ROWS the dequantized weights with cuBLAS) on CUDA against float32 products with the
+    weights they stand for, alone and stacked as merge_projections does; bfloat16 activations and output, so within
     a few bfloat16 steps of the largest output."""
     torch.manual_seed(0)
     out, inputs = 384, 576  # the demo model's input width: not a multiple of tinygemm's largest k-tile
@@ -180,6 +186,8 @@ def test_quantized_layers_on_cuda_compute_their_weights(rows: int) -> None:
         expected = x.float() @ weight.T
         got = layer(x.to(CUDA)).float().cpu()
         assert (got - expected).abs().max() <= 2**-6 * expected.abs().max(), type(layer).__name__
+        both = stack([layer, layer])(x.to(CUDA)).float().cpu()
+        assert (both - torch.cat([expected, expected], dim=-1)).abs().max() <= 2**-6 * expected.abs().max()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -195,9 +203,34 @@ def test_quantized_model_decodes_with_graphs_as_eagerly(random_llama: Path, mode
         )
         try:
             layers = [m for m in engine.loaded.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
-            assert len(layers) == 4 * 7 and all(m.scales_and_zeros.is_cuda if mode == "int4" else m.codes.is_cuda
-                                                for m in layers)  # fmt: skip
+            # 4 layers of q/k/v merged, o, gate/up merged, down (merged_linear.py)
+            assert len(layers) == 4 * 4 and all(b.is_cuda for m in layers for b in m.buffers())
             results.append([greedy(engine, engine.tokenize(p), 32)[0] for p in PROMPTS])
         finally:
             engine.close()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "head_dim", "span"),
+    [(1, 32, 8, 128, 1024), (3, 4, 2, 64, 200), (64, 8, 8, 128, 128), (5, 9, 3, 64, 2048)],
+)
+def test_decode_attention_kernel_matches_sdpa(rows: int, heads: int, kv_heads: int, head_dim: int, span: int) -> None:
+    """The split-KV decode kernel on views into a cache (as the engine passes them) against float32 SDPA over each
+    row's visible positions, with rows of every length from 1 to the span and a dummy row of length 0."""
+    torch.manual_seed(0)
+    cache = torch.randn(2, rows, kv_heads, span + 7, head_dim, device=CUDA, dtype=torch.bfloat16)
+    key, value = cache[0, :, :, :span], cache[1, :, :, :span]
+    query = torch.randn(rows, heads, 1, head_dim, device=CUDA, dtype=torch.bfloat16)
+    lengths = torch.randint(1, span + 1, (rows,), device=CUDA)
+    lengths[0] = span
+    lengths[-1] = 0 if rows > 1 else lengths[-1]
+    mask = decode_mask(lengths, span, torch.bfloat16)
+    got = decode_attention(query, key, value, mask, head_dim**-0.5).float()
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1),
+        attn_mask=mask.float(), scale=head_dim**-0.5,
+    ).transpose(1, 2)  # fmt: skip
+    assert got.shape == (rows, 1, heads, head_dim)
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()

@@ -118,7 +118,8 @@ async def measure_worker(url: str, spec: dict) -> dict:
     }
 
 
-def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str, float]:
+    """The served worker, its URL, and the seconds it took to report healthy (loading, compiling, capturing)."""
     from rbee_worker.listener import bind
 
     sock = bind("127.0.0.1", 0)
@@ -131,13 +132,14 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    started = time.monotonic()
+    deadline = started + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"error: the worker exited with {process.returncode}: {log_path.read_text()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return process, url
+                return process, url, time.monotonic() - started
         except httpx.TransportError:
             pass
         time.sleep(0.2)
@@ -224,13 +226,16 @@ def read_bandwidth(device: str) -> float:
 
 def main(args: argparse.Namespace) -> int:
     spec = build_spec(args)
-    result: dict = {"machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype}
+    result: dict = {
+        "machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype,
+        "worker_flags": args.worker_flag,
+    }  # fmt: skip
     if args.device.startswith("cuda"):
         result["read_bandwidth_gb_s"] = read_bandwidth(args.device) / 1e9
     with tempfile.TemporaryDirectory() as scratch:
-        process, url = start_worker(args, Path(scratch) / "worker.log")
+        process, url, startup_s = start_worker(args, Path(scratch) / "worker.log")
         try:
-            result["rbee-worker"] = asyncio.run(measure_worker(url, spec))
+            result["rbee-worker"] = asyncio.run(measure_worker(url, spec)) | {"startup_s": startup_s}
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -252,10 +257,12 @@ def main(args: argparse.Namespace) -> int:
     for key, value in result.items():
         if "ratio" in key or key.endswith("bare_forward"):
             print(f"{key}: {value:.2f}")
+    print(f"rbee-worker start-up (to healthy): {worker['startup_s']:.1f} s")
     name = (result["machine"].get("gpu") or result["machine"]["cpu"]).replace(" ", "_")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}_{name}"
+    flags = "".join(f"_{flag.lstrip('-').replace('=', '_')}" for flag in args.worker_flag)
+    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{flags}_{name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
     return 0

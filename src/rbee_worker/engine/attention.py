@@ -2,19 +2,27 @@
 AttentionInterface, so the models' own attention layers call it): PyTorch's scaled_dot_product_attention, like
 transformers' "sdpa", with two shapes of the engine's forwards sent to faster kernels.
 
-- A decode step (one query token per row): the query heads that share a key/value head are folded into the query
-  length (`[rows, kv_heads, groups, head_dim]`), so attention reads each cached key and value once instead of
-  through `repeat_kv`'s copy for every query head; the engine's mask (`[rows, 1, 1, span]`) applies unchanged.
-  transformers 5.24 does this itself outside torch.compile; this does it inside too, and on older versions.
+- A decode step (one query token per row): on CUDA, decode_attention.py's split-KV kernel. Elsewhere the query heads
+  that share a key/value head are folded into the query length (`[rows, kv_heads, groups, head_dim]`), so attention
+  reads each cached key and value once instead of through `repeat_kv`'s copy for every query head; the engine's mask
+  (`[rows, 1, 1, span]`) applies unchanged. transformers 5.24 does this itself outside torch.compile; this does it
+  inside too, and on older versions.
 - A single-row prompt chunk from position 0 (a first prefill): its mask is exactly causal, so it is dropped for
   `is_causal=True`, which lets SDPA take its flash kernel with grouped heads, as a bare forward over the prompt does.
 
 Everything else goes to transformers' own sdpa function unchanged.
 """
 
+import importlib.util
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+if importlib.util.find_spec("triton") is not None:  # CUDA builds of PyTorch
+    from rbee_worker.engine import decode_attention
+else:
+    decode_attention = None
 
 NAME = "rbee_sdpa"
 
@@ -32,6 +40,9 @@ def attention(
     rows, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     plain = dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+    if plain and decode_attention is not None and decode_attention.supported(query, key, attention_mask):
+        scale = head_dim**-0.5 if scaling is None else scaling
+        return decode_attention.decode_attention(query, key, value, attention_mask, scale), None
     if plain and q_len == 1 and heads != kv_heads:
         folded = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
         output = torch.nn.functional.scaled_dot_product_attention(

@@ -10,6 +10,7 @@ ahead of time by `warm_up`; all share one memory pool. The inputs live in static
 """
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -35,9 +36,12 @@ class DecodeGraphs:
             span *= 2
         self.span_buckets = [*spans, cache.slot_len]
         rows = cache.slots
-        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.positions = torch.full((rows, 1), cache.slot_len, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        # The graphs' inputs, token / position / length of each row, written by one copy from pinned host memory
+        # (three pageable copies cost more than the rest of the host's work on a step).
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self.inputs[1] = cache.slot_len
+        self.host = torch.zeros(3, rows, dtype=torch.long, pin_memory=True)
+        self.tokens, self.positions, self.lengths = self.inputs[0, :, None], self.inputs[1, :, None], self.inputs[2]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -48,21 +52,29 @@ class DecodeGraphs:
                 if span <= max(max_span, MIN_SPAN):
                     self._graph(rows, span)
 
-    def run(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
-        """Logits (len(tokens), vocab) of one decode step over cache rows 0..len(tokens)-1 (as the eager forward)."""
+    def run(self, tokens: list[int], positions: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step over cache rows 0..len(tokens)-1 (as the eager forward): the logits (len(tokens), vocab)
+        and, computed inside the graph, each row's largest logit and its token id (len(tokens), 2) in float32 (ids
+        are exact up to 2**24), which greedy rows need alone: one small copy to the host, no kernels after the graph."""
         count = len(tokens)
         rows = bucket(count, self.row_buckets)
         span = bucket(max(lengths), self.span_buckets)
-        graph, logits, _ = self._graph(rows, span)
+        graph, (logits, best), _ = self._graph(rows, span)
         pad = rows - count
-        self.tokens[:rows, 0].copy_(torch.tensor(tokens + [0] * pad))
-        self.positions[:rows, 0].copy_(torch.tensor(positions + [self.cache.slot_len] * pad))
-        self.lengths[:rows].copy_(torch.tensor(lengths + [0] * pad))
+        # The previous step's copy is done: its results have reached the host since.
+        host = self.host.numpy()
+        host[0, :rows] = tokens + [0] * pad
+        host[1, :rows] = positions + [self.cache.slot_len] * pad
+        host[2, :rows] = lengths + [0] * pad
+        self.inputs[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
         graph.replay()
-        return logits[:count]
+        return logits[:count], best[:count]
 
-    def _graph(self, rows: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        """The graph, its output, and the cache's row index it reads (kept alive: a graph reads fixed addresses)."""
+    def _graph(
+        self, rows: int, span: int
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The graph, its outputs (see run), and the cache's row index it reads (kept alive: a graph reads fixed
+        addresses)."""
         if (rows, span) in self.graphs:
             return self.graphs[rows, span]
         tokens, positions, lengths = self.tokens[:rows], self.positions[:rows], self.lengths[:rows]
@@ -72,7 +84,7 @@ class DecodeGraphs:
         lengths.zero_()
         self.cache.prepare(0, positions, span)  # also zeroes the cache up to `span`
 
-        def step() -> torch.Tensor:
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
             output = self.model(
                 input_ids=tokens,
                 position_ids=positions,
@@ -81,10 +93,12 @@ class DecodeGraphs:
                 logits_to_keep=1,
                 **{self.cache_kwarg: self.cache},
             )
-            return output.logits[:, -1]
+            logits = output.logits[:, -1]
+            values, ids = logits.max(-1)  # ties: the lowest id, as the Sampler
+            return logits, torch.stack([values.float(), ids.float()], 1)
 
-        graph, logits = capture(step, self.pool)
-        self.graphs[rows, span] = (graph, logits, self.cache.row_index)
+        graph, outputs = capture(step, self.pool)
+        self.graphs[rows, span] = (graph, outputs, self.cache.row_index)
         return self.graphs[rows, span]
 
 
@@ -156,8 +170,11 @@ class PrefillGraphs:
         return self.graphs[width]
 
 
-def capture(step: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """`step` recorded as a graph in `pool`, and its output (a static tensor that each replay overwrites)."""
+Output = TypeVar("Output")
+
+
+def capture(step: Callable[[], Output], pool: object) -> tuple[torch.cuda.CUDAGraph, Output]:
+    """`step` recorded as a graph in `pool`, and its output (static tensors that each replay overwrites)."""
     # Warm-up on a side stream before capture, as CUDA graphs require; the scratch position absorbs its writes.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

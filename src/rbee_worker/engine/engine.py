@@ -35,6 +35,7 @@ import torch
 
 from rbee_worker.devices import tensor_bytes
 from rbee_worker.engine.attention import use_engine_attention
+from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
@@ -43,6 +44,7 @@ from rbee_worker.engine.sampling import Sampler, random_seed
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel
+from rbee_worker.models.merged_linear import merge_projections
 
 log = logging.getLogger(__name__)
 
@@ -377,10 +379,11 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._load()
+            merge_projections(loaded.model)
             if not self._compile:  # inductor packs the weights of what it compiles itself
                 loaded = self._pack_for_cpu(loaded)
             use_engine_attention(loaded.model)
-            self._model = self._forward_module = loaded.model
+            self._model = loaded.model
             self._dtype = loaded.info.dtype
             self._cache_kwarg = cache_kwarg(loaded.model)
             self._cache = self._allocate_cache(loaded)
@@ -440,10 +443,9 @@ class Engine:
         return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
 
     def _prepare_forward(self, loaded: LoadedModel) -> None:
-        """Before the worker reports ready: with --compile, the forward through torch.compile (inductor fuses the
-        norms, rotary embeddings, activations and attention glue that otherwise run as hundreds of small kernels or
-        Python-level operations), run once for each class of shapes so that no request waits for a compilation; on a
-        GPU, the decode graphs captured for the common shapes (of the compiled or the plain forward)."""
+        """Before the worker reports ready: with --compile, the forward through torch.compile (see
+        compiled.py), run once for each class of shapes so that no request waits for a compilation; on a GPU, the
+        decode and first-chunk graphs captured for the common shapes (of the compiled or the plain layers)."""
         graphs = self._use_cuda_graphs and loaded.info.device.type == "cuda"
         if not (graphs or self._compile):
             return
@@ -451,36 +453,36 @@ class Engine:
         with torch.inference_mode():
             if self._compile:
                 try:
-                    self._forward_module = torch.compile(loaded.model, dynamic=True)
+                    compile_model(loaded.model, self._cache)
                     self._warm_up(graphs)
                 except Exception as exc:  # e.g. no Triton for this GPU, no C++ compiler: slower, but it runs
                     log.warning("torch.compile failed, running the model uncompiled: %s", str(exc).splitlines()[0])
-                    torch._dynamo.reset()
-                    self._forward_module, self._graphs, self._prefill_graphs = loaded.model, None, None
+                    self._compile = False
+                    uncompile_model(loaded.model, self._cache)
+                    self._graphs = self._prefill_graphs = None
             if graphs and self._graphs is None:
                 self._warm_up(graphs)
         log.info(
             "prepared the %s forward in %.1f s (%d CUDA graphs)",
-            "plain" if self._forward_module is loaded.model else "compiled",
+            "compiled" if self._compile else "plain",
             time.perf_counter() - started,
             len(self._graphs.graphs if self._graphs else ())
             + len(self._prefill_graphs.graphs if self._prefill_graphs else ()),
         )
 
     def _warm_up(self, graphs: bool) -> None:
-        """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN, and for the plain forward the first-chunk
-        prefill graphs. A compiled forward also runs prompt chunks of one and two rows, of different lengths (and
-        without graphs decode steps of one and two rows), so that it is compiled for any shape before the first
-        request (with graphs it launches few kernels: prefill graphs would gain little)."""
+        """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN and the first-chunk prefill graphs. Compiled
+        layers also run the forwards that stay eager once (prompt chunks of one and two rows, of different lengths,
+        and without graphs decode steps of one and two rows), so that they are compiled for any shape before the
+        first request."""
         if graphs:
-            self._graphs = DecodeGraphs(self._forward_module, self._cache, self._cache_kwarg, self._dtype)
+            self._graphs = DecodeGraphs(self._model, self._cache, self._cache_kwarg, self._dtype)
             self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
-        if self._forward_module is self._model:
             self._prefill_graphs = PrefillGraphs(
                 self._model, self._cache, self._cache_kwarg, self._dtype, self.prefill_chunk, self._graphs.pool
             )
             self._prefill_graphs.warm_up()
-        else:
+        if self._compile:
             # Slots 0 and 1, which no request holds yet.
             self._prompt_forward([0], [([0] * 16, 0)])
             self._prompt_forward([0], [([0] * 48, 16)])
@@ -594,13 +596,14 @@ class Engine:
             positions[s.slot - first] = s.cached
             lengths[s.slot - first] = s.cached + 1
         with self._failing(sequences):
+            best = None
             if self._graphs:
-                logits = self._graphs.run(tokens, positions, lengths)
+                logits, best = self._graphs.run(tokens, positions, lengths)
             else:
                 logits = self._decode_step(tokens, positions, lengths, first)
             for s in sequences:
                 s.cached += 1
-            self._choose(sequences, logits, first)
+            self._choose(sequences, logits, first, best)
 
     def _decode_step(self, tokens: list[int], positions: list[int], lengths: list[int], first: int) -> torch.Tensor:
         """The eager forward of one decode step over cache rows first.. first + len(tokens) - 1."""
@@ -611,19 +614,28 @@ class Engine:
         mask = decode_mask(torch.tensor(lengths, device=device), kv_len, self._dtype)
         return self._forward(torch.tensor(tokens, device=device)[:, None], position_ids, mask)
 
-    def _choose(self, sequences: list[_Sequence], logits: torch.Tensor, first: int) -> None:
+    def _choose(
+        self, sequences: list[_Sequence], logits: torch.Tensor, first: int, best: torch.Tensor | None = None
+    ) -> None:
         """Each sequence's next token from its row (slot - first) of `logits`. Plain greedy rows take the argmax
-        where the logits are, so only ids and maxima cross to the host; the others are sampled on the host from one
-        copy of their rows."""
+        where the logits are (or `best`, the rows' (largest logit, its id) computed with them), so only ids and
+        maxima cross to the host; the others are sampled on the host from one copy of their rows."""
         plain: list[_Sequence] = []
         others: list[_Sequence] = []
         for s in sequences:
             (plain if s.sampler.params.is_plain_greedy() and s.request.logprobs is None else others).append(s)
         if plain:
-            values, best = logits[[s.slot - first for s in plain]].max(-1)  # ties: the lowest id, as the Sampler
-            for s, token, value in zip(plain, best.tolist(), values.float().tolist(), strict=True):
+            if best is None:
+                values, ids = logits[[s.slot - first for s in plain]].max(-1)  # ties: the lowest id, as the Sampler
+                best = torch.stack([values.float(), ids.float()], 1)
+                rows = range(len(plain))
+            else:
+                rows = [s.slot - first for s in plain]
+            chosen = best.tolist()  # one copy to the host for both (ids are exact in float32 up to 2**24)
+            for s, row in zip(plain, rows, strict=True):
+                value, token = chosen[row]
                 if math.isfinite(value):  # a NaN anywhere comes out as the maximum
-                    self._accept(s, token, None)
+                    self._accept(s, int(token), None)
                 else:
                     self._fail(s, ErrorCode.INFERENCE_FAILED, "inference failed: the model's logits are not finite")
         if others:
@@ -633,7 +645,7 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The model's next-token logits for each batch row: (rows, vocab)."""
-        output = self._forward_module(
+        output = self._model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,

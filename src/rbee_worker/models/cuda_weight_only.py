@@ -9,9 +9,15 @@ sequence) runs a GEMV kernel that accumulates in float32 on CUDA cores; more row
 activations' dtype (exact: |code| <= 127) for the tensor cores (`tl.dot`).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+# tinygemm up to this many rows, the dequantized weights with cuBLAS beyond. Products of an 8B decode step on an H200
+# (q/k/v and gate/up merged): tinygemm 2.8 / 5.7 / 34 / 266 ms at 1 / 8 / 64 / 512 rows.
+INT4_KERNEL_ROWS = 16
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -79,3 +85,64 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
         grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(outputs, meta["BLOCK_N"]))  # noqa: E731
         _int8_gemm[grid](x, codes, scale, y, rows, outputs, inputs)
     return y
+
+
+@functools.cache
+def tinygemm_order(tiles: int, device: torch.device) -> torch.Tensor:
+    """Where tinygemm's packing puts each weight of a block of 8 output rows x 16 * tiles inputs: for weight (r, c)
+    at index r * 16 * tiles + c, the index of its nibble among the block's nibbles (its 16 * tiles int32 words in
+    order, each from its low nibble up). Found by packing the weights' own indices 4 bits at a time, so it holds
+    for whatever layout this PyTorch build's `_convert_weight_to_int4pack` produces."""
+    width = 16 * tiles
+    ids = torch.arange(8 * width, device=device).reshape(8, width)
+    found = torch.zeros(8 * width, dtype=torch.int64, device=device)
+    for shift in range(0, (8 * width - 1).bit_length(), 4):
+        codes = (ids >> shift) & 15
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        words = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles).reshape(-1, 1)
+        nibbles = (words >> torch.arange(0, 32, 4, device=device)) & 15
+        found |= nibbles.reshape(-1).long() << shift
+    order = torch.empty_like(found)
+    order[found] = torch.arange(found.numel(), device=device)
+    return order.to(torch.int32)
+
+
+@triton.jit
+def _tinygemm_dequantize(
+    w_ptr, order_ptr, sz_ptr, out_ptr, N, K, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """Blocks of BLOCK_N output rows x WIDTH inputs (one k-block of tinygemm's layout) into W^T [in, out]."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    column = tl.arange(0, WIDTH)
+    rk = tl.program_id(1) * WIDTH + column
+    ok = (rn < N)[:, None]
+    position = tl.load(order_ptr + (rn % 8)[:, None] * WIDTH + column[None, :])
+    block = (rn // 8)[:, None] * (K // WIDTH) + tl.program_id(1)
+    word = tl.load(w_ptr + block * WIDTH + position // 8, mask=ok, other=0)
+    code = (word >> ((position % 8) * 4)) & 15
+    where = ((rk // 32)[None, :] * N + rn[:, None]) * 2
+    scale = tl.load(sz_ptr + where, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(sz_ptr + where + 1, mask=ok, other=0.0).to(tl.float32)
+    weight = ((code - 8).to(tl.float32) * scale + zero).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rk[None, :] * N + rn[:, None], weight, mask=ok)
+
+
+def tinygemm_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W^T [in, out] in `dtype` for tinygemm's packed weights ([out / 8, in / (16 tiles), 32, tiles / 2] int32) and
+    scales and zeros ([in / 32, out, 2]): w = (q - 8) * scale + zero."""
+    groups, outputs, _ = scales_and_zeros.shape
+    tiles = packed.shape[-1] * 2
+    width, inputs = 16 * tiles, groups * 32
+    weight_t = torch.empty(inputs, outputs, device=packed.device, dtype=dtype)
+    order = tinygemm_order(tiles, packed.device)
+    grid = (triton.cdiv(outputs, 32), inputs // width)
+    _tinygemm_dequantize[grid](packed, order, scales_and_zeros, weight_t, outputs, inputs, WIDTH=width, BLOCK_N=32)
+    return weight_t
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ W^T for tinygemm's int4 weights (group 32): tinygemm's own kernel for a few rows, the weights
+    dequantized for cuBLAS for more (tinygemm's time grows with the rows: see INT4_KERNEL_ROWS)."""
+    if x.shape[0] > INT4_KERNEL_ROWS:
+        return x @ tinygemm_dequantize(packed, scales_and_zeros, x.dtype)
+    return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, 32, scales_and_zeros)

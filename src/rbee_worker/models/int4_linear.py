@@ -23,16 +23,17 @@ INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / INT4_GROUP
 
 
 class Int4Linear(torch.nn.Module):
-    """y = x W^T + b, W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32], in bfloat16.
+    """y = x W^T + b, W[n, k] = (codes[n, k] - 8) * scales[n, k // 32] + zeros[n, k // 32].
 
-    The weights are packed for the device that `codes` is on (the two kernels' layouts differ): build the layer where
-    it will run."""
+    The weights are packed for the device that `codes` is on (the kernels' layouts differ): build the layer where it
+    will run."""
 
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
+        self.bias = bias
         if codes.device.type == "cuda":
             # tinygemm takes two codes per byte, the even input in the high half; inner k-tiles: the largest of its
             # 2 / 4 / 8 that divides the input size (each tile is 16 inputs).
@@ -45,13 +46,31 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer(
             "scales_and_zeros", torch.stack([scales.T, zeros.T], dim=-1).to(torch.bfloat16).contiguous()
-        )
-        self.bias = bias
+        )  # [in // 32, out, 2]
+
+    @classmethod
+    def stacked(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
+        """One layer with the layers' output rows one after the other (same inputs; biases on all or none), from
+        their packed weights as they are. Both layouts pack output rows in blocks, tinygemm's of 8 and the CPU
+        kernel's of 64 with AVX-512 (32 without): None where a layer's rows are not whole blocks."""
+        block = 8 if layers[0].packed.device.type == "cuda" else 64
+        if any(layer.out_features % block for layer in layers):
+            return None
+        merged = cls.__new__(cls)
+        torch.nn.Module.__init__(merged)
+        merged.out_features = sum(layer.out_features for layer in layers)
+        merged.in_features = layers[0].in_features
+        merged.bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        merged.register_buffer("packed", torch.cat([layer.packed for layer in layers]))
+        merged.register_buffer("scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], dim=1))
+        return merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.packed.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(rows.contiguous(), self.packed, INT4_GROUP, self.scales_and_zeros)
+            from rbee_worker.models.cuda_weight_only import int4_matmul  # Triton: not on CPU-only machines
+
+            y = int4_matmul(rows, self.packed, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
         y = y.reshape(*x.shape[:-1], self.out_features)

@@ -31,6 +31,13 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.bias = bias
 
+    @classmethod
+    def stacked(cls, layers: list["Int8Linear"]) -> "Int8Linear":
+        """One layer with the layers' output rows one after the other (same inputs; biases on all or none)."""
+        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        codes = torch.cat([layer.codes for layer in layers])
+        return cls(codes, torch.cat([layer.scales for layer in layers]), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.codes.device.type == "cuda":
