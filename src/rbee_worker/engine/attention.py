@@ -51,19 +51,16 @@ def attention(
         return output.reshape(rows, 1, heads, value.shape[-1]), None
     if plain and rows == 1 and q_len == key.shape[2] and q_len > 1:
         # The engine masks a chunk that starts at position 0 causally and nothing else (see the module docstring).
+        # From the module's own int (as transformers' sdpa reads it): under torch.compile with dynamic shapes a
+        # comparison of head counts is symbolic, and SDPA's flag takes a plain bool only. (Where compiled.py makes
+        # module ints dynamic, the CUDA decoder layers, this int is symbolic too: dynamo then leaves this call out of
+        # the compiled graph, which costs nothing inside the prefill graphs that replay it.)
+        grouped = getattr(module, "num_key_value_groups", 1) > 1
         output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=_grouped(module)
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=grouped
         )
         return output.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-
-
-@torch.compiler.assume_constant_result
-def _grouped(module: torch.nn.Module) -> bool:
-    """Whether query heads share key/value heads, from the module's own int (as transformers' sdpa reads it), and a
-    constant to torch.compile: with dynamic shapes a comparison of head counts is symbolic, and so is the module's
-    int once compiled.py makes module ints dynamic, while SDPA's flag takes a plain bool only."""
-    return getattr(module, "num_key_value_groups", 1) > 1
 
 
 def use_engine_attention(model: torch.nn.Module) -> bool:
