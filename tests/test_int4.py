@@ -2,6 +2,7 @@
 and the demo model loaded that way."""
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +130,25 @@ def test_int4_is_refused_where_it_does_not_run(demo_gguf: Path) -> None:
     """(A model directory is quantized at load now: test_quantize.py.)"""
     with pytest.raises(ModelLoadError, match="runs in bfloat16"):
         load_model(str(demo_gguf), Placement(CPU, torch.float32), quantize="int4")
+
+
+def test_auto_keeps_a_gguf_quantized_where_its_kernels_run(demo_gguf: Path, demo_hf_dir: Path) -> None:
+    """`--quantize auto`, the CLI's default: the GGUF file's own types in bfloat16, dequantized in float32 (no
+    error: the user asked for nothing), and a model directory as it is."""
+
+    def int4_layers(model: torch.nn.Module) -> int:
+        return sum(isinstance(m, Int4Linear) for m in model.modules())
+
+    kept = load_model(str(demo_gguf), Placement(CPU, torch.bfloat16), quantize="auto")
+    assert int4_layers(kept.model) == 7 * kept.model.config.num_hidden_layers
+    assert kept.info.weight_bytes < os.path.getsize(demo_gguf)
+    assert int4_layers(load_model(str(demo_gguf), Placement(CPU, torch.float32), quantize="auto").model) == 0
+    assert int4_layers(load_model(str(demo_hf_dir), Placement(CPU, torch.bfloat16), quantize="auto").model) == 0
+
+
+def test_the_cli_keeps_a_gguf_quantized_by_default(demo_gguf: Path) -> None:
+    result = cli("generate", "--prompt", PROMPTS[0], "--max-tokens", "8", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    weights_mib = int(re.search(r"memory: (\d+) MiB weights", result.stderr).group(1))
+    assert weights_mib < os.path.getsize(demo_gguf) / 2**20  # dequantized to bfloat16 it would take 2.6x the file

@@ -67,12 +67,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--quantize",
-        default="none",
-        choices=["none", "int8", "int4"],
-        help="int8 / int4: weight-only quantized linear layers (bfloat16 on the CPU or a CUDA GPU). A model directory "
-        "is quantized at load (int8 per row, int4 per group of 32; embedding and LM head stay); a GGUF file keeps its "
-        "own quantized matrices instead of dequantizing them (Q4_* as int4, Q8_0 / Q5_K / Q6_K as int8), whichever "
-        "of the two is given (default: none: every weight in --dtype)",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantized linear layers (bfloat16 on the CPU or a CUDA GPU of compute capability 8.0+). "
+        "auto (default): a GGUF file keeps its own quantized matrices (Q4_* as int4, Q8_0 / Q5_K / Q6_K as int8) "
+        "where those kernels run, and is dequantized to --dtype elsewhere; a model directory loads as it is. "
+        "int8 / int4: a model directory is quantized at load (int8 per row, int4 per group of 32; embedding and LM "
+        "head stay); a GGUF file keeps its own types. none: every weight in --dtype",
     )
     group.add_argument(
         "--deterministic",

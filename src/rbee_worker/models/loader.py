@@ -68,7 +68,8 @@ def load_model(
     `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory);
     `chat_template` (Jinja text) replaces the model's own; `quantize` "int8" / "int4" quantizes a float model's
     decoder layers at load (models/quantize.py) and keeps a GGUF file's quantized matrices in its own types (either
-    value: the file decides; models/gguf_model.py).
+    value: the file decides; models/gguf_model.py); "auto" (the CLI's default) keeps a GGUF file's types where the
+    quantized kernels run on this placement, and loads everything else as "none".
     """
     import transformers
 
@@ -82,6 +83,9 @@ def load_model(
     started = time.perf_counter()
     progress = progress or LoadProgress()
     path = resolve_model_path(spec)
+    if quantize == "auto":
+        keep = path.is_file() and is_gguf(path) and quantized_supported(placement.device, placement.dtype)
+        quantize = "int4" if keep else "none"  # for a GGUF file int4 and int8 alike mean "keep the file's types"
     if quantize != "none" and not quantized_supported(placement.device, placement.dtype):
         raise ModelLoadError(
             f"--quantize {quantize} runs in bfloat16 on the CPU or on a CUDA GPU of compute capability 8.0 or newer; "
