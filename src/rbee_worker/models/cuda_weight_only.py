@@ -1,12 +1,18 @@
-"""Weight-only int8 matrix products on CUDA, as Triton kernels (the activations stay bfloat16 / float16).
+"""Weight-only int8 matrix products on CUDA as Triton kernels, and int4 products with tinygemm's weights (the
+activations stay bfloat16 / float16).
 
-Why our own: on an H200, the products of one Llama-3.1-8B decode step (32 layers and the LM head, as a CUDA graph)
+int8, why our own: on an H200, the products of one Llama-3.1-8B decode step (32 layers and the LM head, as a CUDA graph)
 took 4.65 / 4.68 / 4.91 ms at 1 / 8 / 64 rows in bfloat16 (cuBLAS) and 55 ms at one row with PyTorch's
 `_weight_int8pack_mm`; these kernels take 3.24 / 4.45 / 6.23 ms (bench/results/weight_only_kernels_NVIDIA_H200.json).
 
 Layout: `codes` int8 [out, in] and one float32 scale per output row, w = code * scale. One row (a decode step of one
 sequence) runs a GEMV kernel that accumulates in float32 on CUDA cores; more rows convert a tile of codes to the
 activations' dtype (exact: |code| <= 127) for the tensor cores (`tl.dot`).
+
+int4: tinygemm (`aten._weight_int4pack_mm`) for a few rows; beyond INT4_KERNEL_ROWS a kernel here dequantizes
+tinygemm's packed weights (their layout read off the packing op itself, tinygemm_order) for cuBLAS. Our own int4 GEMV
+kernels, written and measured this way (three layouts, with and without a bit-trick int-to-float conversion), took
+3.5 to 5.2 ms for the 8B step's products at one row against tinygemm's 2.8, so tinygemm stays.
 """
 
 import functools

@@ -9,9 +9,11 @@ kernel takes bfloat16 only. The GGUF scales and zeros (float16, or Q4_K's float3
 scales) are therefore rounded to bfloat16 once, a relative change of at most 2^-9 each. The codes themselves are the
 file's.
 
-On an H200, tinygemm ran the products of a Llama-3.1-8B decode step (one row, as a CUDA graph) in 3.13 ms against
-4.61 ms in bfloat16 (cuBLAS), but 6.0 ms at 8 rows and 34.7 ms at 64 (bfloat16: 4.7 and 4.9 ms): 4-bit weights pay
-off for few concurrent sequences (bench/results/weight_only_kernels_NVIDIA_H200.json).
+tinygemm's time grows with the rows: on an H200 it ran the products of a Llama-3.1-8B decode step (q/k/v and gate/up
+merged, as a CUDA graph) in 2.78 ms against 4.06 ms in bfloat16 (cuBLAS) at one row, 5.7 ms at 8 rows, but 34 ms at
+64 and 266 ms at 512 (bfloat16: 4.35 and 12.0). Beyond cuda_weight_only.INT4_KERNEL_ROWS rows the weights are
+therefore dequantized for cuBLAS instead (19.1 ms at 64 rows, 26.1 at 512: a prompt of 512 tokens no longer takes a
+quarter of a second); bench/results/weight_only_kernels_NVIDIA_H200_merged.json.
 """
 
 import torch
