@@ -77,3 +77,18 @@ def test_context_overflow_is_a_usage_error() -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "context" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("device", "flags", "compiled"),
+    [("cuda", [], True), ("cpu", [], False), ("cuda", ["--deterministic"], False),
+     ("cuda", ["--no-cuda-graphs"], False), ("cpu", ["--compile"], True), ("cuda", ["--no-compile"], False)],
+)  # fmt: skip
+def test_compile_defaults_to_on_inside_cuda_graphs_only(device: str, flags: list[str], compiled: bool) -> None:
+    import torch
+
+    from rbee_worker.cli import build_parser, compile_model
+    from rbee_worker.devices import Placement
+
+    args = build_parser().parse_args(["serve", "--model", "demo", *flags])
+    assert compile_model(Placement(torch.device(device), torch.bfloat16), args) is compiled

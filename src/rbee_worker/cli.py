@@ -8,11 +8,14 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from rbee_worker.benchmark.peers import PEERS
 from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
+
+if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
+    from rbee_worker.devices import Placement
 
 log = logging.getLogger("rbee_worker")
 
@@ -162,9 +165,10 @@ def build_parser() -> Parser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the model through torch.compile, compiled before the worker reports ready: each decoder layer on "
-        "CUDA, inside the CUDA graphs (default there: 16 s more start-up for an 8B model on an H200, which then "
-        "decodes 1.23x faster with a shorter time to first token), the whole model on the CPU (off by default there: "
-        "about 6 minutes of start-up for the demo model on 2 cores, then 1.3x faster with int4 weights)",
+        "CUDA, inside the CUDA graphs (the default there, unless --no-cuda-graphs or --deterministic: 16 s more "
+        "start-up for an 8B model on an H200, which then decodes 1.23x faster with a shorter time to first token), "
+        "the whole model on the CPU (off by default there: about 6 minutes of start-up for the demo model on 2 "
+        "cores, then 1.3x faster with int4 weights)",
     )
     jobs.add_argument(
         "--chat-template",
@@ -275,7 +279,7 @@ def run_serve(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
         cuda_graphs=args.cuda_graphs,
-        compile_model=placement.device.type == "cuda" if args.compile is None else args.compile,
+        compile_model=compile_model(placement, args),
         chat_template=chat_template,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
@@ -366,6 +370,14 @@ def run_generate(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def compile_model(placement: "Placement", args: argparse.Namespace) -> bool:
+    """--compile, by default on where the compiled layers run inside CUDA graphs. Outside graphs each compiled frame
+    checks its guards on every call (32 layers x 4 frames a step), which costs what the fusion saves."""
+    if args.compile is not None:
+        return args.compile
+    return placement.device.type == "cuda" and args.cuda_graphs and not args.deterministic
 
 
 def report(as_json: bool, end, text: str, token_ids: list[int], weight_bytes: int) -> None:
