@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 BLOCK_S = 64  # key positions per step of a block
-HIDDEN = -1e30  # a mask value below this hides its position
 
 
 @triton.jit
@@ -44,7 +43,7 @@ def _split_kernel(
         s = s0 + tl.arange(0, BLOCK)
         s_ok = s < end
         bias = tl.load(mask_ptr + row * stride_mr + s, mask=s_ok, other=float("-inf")).to(tl.float32)
-        if tl.max(bias, 0) > -1e30:  # some position of this block is visible
+        if tl.max(bias, 0) > -1e30:  # some position of this block is visible (hidden ones hold the dtype's minimum)
             k = tl.load(k_ptr + row * stride_kr + kv_head * stride_kh + s[:, None] * stride_ks + d[None, :],
                         mask=s_ok[:, None], other=0.0)  # fmt: skip
             scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]

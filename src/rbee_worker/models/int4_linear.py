@@ -51,8 +51,8 @@ class Int4Linear(torch.nn.Module):
         )  # [in // 32, out, 2]
 
     @classmethod
-    def stacked(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
-        """One layer with the layers' output rows one after the other (same inputs; biases on all or none), from
+    def stacked(cls, layers: list["Int4Linear"], bias: torch.Tensor | None) -> "Int4Linear | None":
+        """One layer with the layers' output rows one after the other (same inputs), and `bias`, theirs stacked; from
         their packed weights as they are. Both layouts pack output rows in blocks, tinygemm's of 8 and the CPU
         kernel's of 64 with AVX-512 (32 without): None where a layer's rows are not whole blocks."""
         block = 8 if layers[0].packed.device.type == "cuda" else 64
@@ -62,7 +62,7 @@ class Int4Linear(torch.nn.Module):
         torch.nn.Module.__init__(merged)
         merged.out_features = sum(layer.out_features for layer in layers)
         merged.in_features = layers[0].in_features
-        merged.bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        merged.bias = bias
         merged.register_buffer("packed", torch.cat([layer.packed for layer in layers]))
         merged.register_buffer("scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], dim=1))
         return merged

@@ -32,11 +32,9 @@ class Int8Linear(torch.nn.Module):
         self.bias = bias
 
     @classmethod
-    def stacked(cls, layers: list["Int8Linear"]) -> "Int8Linear":
-        """One layer with the layers' output rows one after the other (same inputs; biases on all or none)."""
-        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        codes = torch.cat([layer.codes for layer in layers])
-        return cls(codes, torch.cat([layer.scales for layer in layers]), bias)
+    def stacked(cls, layers: list["Int8Linear"], bias: torch.Tensor | None) -> "Int8Linear":
+        """One layer with the layers' output rows one after the other (same inputs), and `bias`, theirs stacked."""
+        return cls(torch.cat([layer.codes for layer in layers]), torch.cat([layer.scales for layer in layers]), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

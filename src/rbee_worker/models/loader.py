@@ -83,8 +83,9 @@ def load_model(
     started = time.perf_counter()
     progress = progress or LoadProgress()
     path = resolve_model_path(spec)
+    gguf = path.is_file() and is_gguf(path)
     if quantize == "auto":
-        keep = path.is_file() and is_gguf(path) and quantized_supported(placement.device, placement.dtype)
+        keep = gguf and quantized_supported(placement.device, placement.dtype)
         quantize = "int4" if keep else "none"  # for a GGUF file int4 and int8 alike mean "keep the file's types"
     if quantize != "none" and not quantized_supported(placement.device, placement.dtype):
         raise ModelLoadError(
@@ -95,7 +96,7 @@ def load_model(
     try:
         if path.is_dir():
             loaded = load_hf_directory(path, placement.device, placement.dtype, progress, quantize)
-        elif path.is_file() and is_gguf(path):
+        elif gguf:
             loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantize != "none")
         else:
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")

@@ -73,17 +73,14 @@ def stack(layers: list[torch.nn.Module]) -> torch.nn.Module | None:
         return None
     if len({layer.bias is None for layer in layers}) != 1:
         return None
+    bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
     if kind is torch.nn.Linear:
-        first = layers[0].weight
-        linear = torch.nn.Linear(
-            first.shape[1], sum(layer.out_features for layer in layers), bias=layers[0].bias is not None,
-            device=first.device, dtype=first.dtype,
-        )  # fmt: skip
-        with torch.no_grad():
-            linear.weight.copy_(torch.cat([layer.weight for layer in layers]))
-            if linear.bias is not None:
-                linear.bias.copy_(torch.cat([layer.bias for layer in layers]))
-        return linear.requires_grad_(layers[0].weight.requires_grad)
+        # Built on the meta device and given the stacked tensors: no initialization of a matrix about to be replaced.
+        linear = torch.nn.Linear(layers[0].in_features, sum(layer.out_features for layer in layers), device="meta")
+        grad = layers[0].weight.requires_grad
+        linear.weight = torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]), requires_grad=grad)
+        linear.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=grad)
+        return linear
     if kind in (Int8Linear, Int4Linear):
-        return kind.stacked(layers)
+        return kind.stacked(layers, bias)
     return None
