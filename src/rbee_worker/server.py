@@ -210,12 +210,13 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
             return
         url = advertised_url(settings.host, port, settings.callback_url)
         log.info(
-            "ready: %s on %s at %s (loaded in %.2f s)",
+            "ready: %s on %s at %s (loaded in %.2f s, %.0f MiB of weights)",
             state.model_ref,
             loaded.info.device,
             url,
             loaded.info.load_seconds,
-            extra={"fields": {"worker_id": worker_id, "url": url}},
+            loaded.info.weight_bytes / 2**20,
+            extra={"fields": {"worker_id": worker_id, "url": url, "weight_bytes": loaded.info.weight_bytes}},
         )
         if settings.callback_url:
             memory = engine.memory_bytes()

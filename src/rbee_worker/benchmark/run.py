@@ -13,6 +13,7 @@ prompt ids. Results go to bench/results/bench_<machine>.json and .md, with the m
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -119,7 +120,8 @@ async def measure_worker(url: str, spec: dict) -> dict:
 
 
 def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str, float]:
-    """The served worker, its URL, and the seconds it took to report healthy (loading, compiling, capturing)."""
+    """The served worker, its URL, and the seconds it took to report healthy (loading, compiling, capturing); its
+    log (JSON lines) goes to log_path."""
     from rbee_worker.listener import bind
 
     sock = bind("127.0.0.1", 0)
@@ -128,7 +130,7 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     command = [
         sys.executable, "-m", "rbee_worker", "serve", "--model", args.model, "--port", str(port),
         "--device", args.device, "--dtype", args.dtype, "--max-batch", str(max(args.concurrency)),
-        "--log-level", "warning", *args.worker_flag,
+        "--log-level", "info", "--log-format", "json", *args.worker_flag,
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
     url = f"http://127.0.0.1:{port}"
@@ -145,6 +147,16 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
         time.sleep(0.2)
     process.kill()
     raise SystemExit("error: the worker did not become healthy within 600 s")
+
+
+def logged_weight_bytes(log_path: Path) -> int | None:
+    """The weight bytes the worker reports in its ready line: the batch-1 ceiling reads these bytes, whatever their
+    format (bf16, int8, int4)."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, AttributeError):
+            if (fields := json.loads(line)).get("msg", "").startswith("ready:") and "weight_bytes" in fields:
+                return int(fields["weight_bytes"])
+    return None
 
 
 def run_peer(peer: str, args: argparse.Namespace, spec: dict) -> dict:
@@ -233,20 +245,22 @@ def main(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda"):
         result["read_bandwidth_gb_s"] = read_bandwidth(args.device) / 1e9
     with tempfile.TemporaryDirectory() as scratch:
-        process, url, startup_s = start_worker(args, Path(scratch) / "worker.log")
+        log_path = Path(scratch) / "worker.log"
+        process, url, startup_s = start_worker(args, log_path)
         try:
             result["rbee-worker"] = asyncio.run(measure_worker(url, spec)) | {"startup_s": startup_s}
         finally:
             process.terminate()
             process.wait(timeout=60)
+        result["rbee-worker"]["weight_bytes"] = logged_weight_bytes(log_path)
     result["peers"] = {peer: run_peer(peer, args, spec) for peer in args.peers}
     worker, peers = result["rbee-worker"], result["peers"]
     if "bare_forward_s" in peers.get("transformers", {}):
         result["ttft_over_bare_forward"] = worker["ttft_s"] / peers["transformers"]["bare_forward_s"]
-        if "read_bandwidth_gb_s" in result:
-            ceiling = result["read_bandwidth_gb_s"] * 1e9 / peers["transformers"]["weight_bytes"]
-            result["batch1_ceiling_tok_s"] = ceiling
-            result["decode_ratio_vs_ceiling"] = worker["decode_tok_s"] / ceiling
+    if "read_bandwidth_gb_s" in result and worker.get("weight_bytes"):
+        ceiling = result["read_bandwidth_gb_s"] * 1e9 / worker["weight_bytes"]
+        result["batch1_ceiling_tok_s"] = ceiling
+        result["decode_ratio_vs_ceiling"] = worker["decode_tok_s"] / ceiling
     for peer, figures in peers.items():
         if "decode_tok_s" in figures:
             result[f"decode_ratio_vs_{peer}"] = worker["decode_tok_s"] / figures["decode_tok_s"]

@@ -25,6 +25,21 @@ def bucket(value: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= value)
 
 
+Outputs = tuple[torch.Tensor, torch.Tensor]  # a decode graph's logits and each row's (largest logit, its id)
+
+
+class LaunchedStep:
+    """A decode step on its way through the GPU: `result` waits for it; `logits` are valid until the next launch."""
+
+    def __init__(self, logits: torch.Tensor, best: torch.Tensor, done: torch.cuda.Event) -> None:
+        self.logits, self._best, self._done = logits, best, done
+
+    def result(self) -> list[list[float]]:
+        """Each row's (largest logit, its token id), copied to the host once the step has run."""
+        self._done.synchronize()
+        return self._best.tolist()
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype) -> None:
         self.model, self.cache, self.cache_kwarg, self.dtype = model, cache, cache_kwarg, dtype
@@ -36,13 +51,20 @@ class DecodeGraphs:
             span *= 2
         self.span_buckets = [*spans, cache.slot_len]
         rows = cache.slots
-        # The graphs' inputs, token / position / length of each row, written by one copy from pinned host memory
-        # (three pageable copies cost more than the rest of the host's work on a step).
-        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
+        # The graphs' inputs, token / position / length / chained flag of each row, written by one copy from pinned
+        # host memory (three pageable copies cost more than the rest of the host's work on a step). Two host
+        # buffers, used in turn: the copy out of one may still be queued behind a step that runs while the host
+        # fills the other.
+        self.inputs = torch.zeros(4, rows, dtype=torch.long, device=device)
         self.inputs[1] = cache.slot_len
-        self.host = torch.zeros(3, rows, dtype=torch.long, pin_memory=True)
-        self.tokens, self.positions, self.lengths = self.inputs[0, :, None], self.inputs[1, :, None], self.inputs[2]
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.host_inputs = [torch.zeros(4, rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.host_best = [torch.zeros(rows, 2, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self.done = [torch.cuda.Event() for _ in range(2)]
+        self.launches = 0
+        # Each row's token chosen by the latest step, written by the graph itself: a chained row reads its input token
+        # here, so the step after can be launched before the host has seen this one's result.
+        self.chosen = torch.zeros(rows, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self, max_span: int) -> None:
@@ -52,49 +74,64 @@ class DecodeGraphs:
                 if span <= max(max_span, MIN_SPAN):
                     self._graph(rows, span)
 
-    def run(self, tokens: list[int], positions: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step over cache rows 0..len(tokens)-1 (as the eager forward): the logits (len(tokens), vocab)
-        and, computed inside the graph, each row's largest logit and its token id (len(tokens), 2) in float32 (ids
-        are exact up to 2**24), which greedy rows need alone: one small copy to the host, no kernels after the graph."""
+    def shape(self, count: int, longest: int) -> tuple[int, int]:
+        """The (rows, span) bucket of a step over `count` rows whose longest attends to `longest` positions."""
+        return bucket(count, self.row_buckets), bucket(longest, self.span_buckets)
+
+    def captured(self, count: int, longest: int) -> bool:
+        return self.shape(count, longest) in self.graphs
+
+    def launch(self, tokens: list[int], positions: list[int], lengths: list[int], chained: list[bool]) -> LaunchedStep:
+        """Start one decode step over cache rows 0..len(tokens)-1 (as the eager forward) without waiting for it. A
+        chained row takes as its token the one the previous step chose for it (greedy), not tokens[row]. The step's
+        result holds each row's largest logit and its token id, computed inside the graph (ids are exact in float32
+        up to 2**24): greedy rows need that alone, one small copy to the host.
+
+        A step whose graph is not captured yet is captured first, which runs the forward once and so overwrites the
+        chosen tokens: chain only onto a step of a captured shape."""
         count = len(tokens)
-        rows = bucket(count, self.row_buckets)
-        span = bucket(max(lengths), self.span_buckets)
+        rows, span = self.shape(count, max(lengths))
         graph, (logits, best), _ = self._graph(rows, span)
+        turn = self.launches % 2
+        self.launches += 1
         pad = rows - count
-        # The previous step's copy is done: its results have reached the host since.
-        host = self.host.numpy()
+        # This buffer's copy ran before the step before the previous one, which the host has waited for.
+        host = self.host_inputs[turn].numpy()
         host[0, :rows] = tokens + [0] * pad
         host[1, :rows] = positions + [self.cache.slot_len] * pad
         host[2, :rows] = lengths + [0] * pad
-        self.inputs[:, :rows].copy_(self.host[:, :rows], non_blocking=True)
+        host[3, :rows] = chained + [False] * pad
+        self.inputs[:, :rows].copy_(self.host_inputs[turn][:, :rows], non_blocking=True)
         graph.replay()
-        return logits[:count], best[:count]
+        self.host_best[turn][:count].copy_(best[:count], non_blocking=True)
+        self.done[turn].record()
+        return LaunchedStep(logits[:count], self.host_best[turn][:count], self.done[turn])
 
-    def _graph(
-        self, rows: int, span: int
-    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The graph, its outputs (see run), and the cache's row index it reads (kept alive: a graph reads fixed
+    def _graph(self, rows: int, span: int) -> tuple[torch.cuda.CUDAGraph, Outputs, torch.Tensor]:
+        """The graph, its outputs (see launch), and the cache's row index it reads (kept alive: a graph reads fixed
         addresses)."""
         if (rows, span) in self.graphs:
             return self.graphs[rows, span]
-        tokens, positions, lengths = self.tokens[:rows], self.positions[:rows], self.lengths[:rows]
+        inputs = self.inputs[:, :rows]
         # Harmless inputs while capturing: every row writes the scratch position and reads position 0.
-        tokens.zero_()
-        positions.fill_(self.cache.slot_len)
-        lengths.zero_()
+        inputs.zero_()
+        inputs[1].fill_(self.cache.slot_len)
+        positions = inputs[1, :, None]
         self.cache.prepare(0, positions, span)  # also zeroes the cache up to `span`
 
         def step() -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = torch.where(inputs[3] != 0, self.chosen[:rows], inputs[0])
             output = self.model(
-                input_ids=tokens,
+                input_ids=tokens[:, None],
                 position_ids=positions,
-                attention_mask=decode_mask(lengths, span, self.dtype),
+                attention_mask=decode_mask(inputs[2], span, self.dtype),
                 use_cache=True,
                 logits_to_keep=1,
                 **{self.cache_kwarg: self.cache},
             )
             logits = output.logits[:, -1]
             values, ids = logits.max(-1)  # ties: the lowest id, as the Sampler
+            self.chosen[:rows].copy_(ids)
             return logits, torch.stack([values.float(), ids.float()], 1)
 
         graph, outputs = capture(step, self.pool)

@@ -37,7 +37,7 @@ from rbee_worker.devices import tensor_bytes
 from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
-from rbee_worker.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.sampling import Sampler, random_seed
@@ -112,6 +112,7 @@ class _Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     cancelled: bool = False
+    launched: int = 0  # decode steps launched on a GPU whose tokens the host has not taken yet (see _decode_graphs)
 
     def send(self, event: Event) -> None:
         """Deliver an event; a consumer that is gone (its event loop closed, say) cancels the request instead of
@@ -121,6 +122,24 @@ class _Sequence:
         except Exception:
             log.warning("could not deliver an event of request %s; cancelling it", self.request.request_id)
             self.cancelled = True
+
+
+@dataclass
+class _Launched:
+    """A decode step launched for these sequences (each on the row of its slot)."""
+
+    sequences: list[_Sequence]
+    step: LaunchedStep
+
+
+def _plain(sequence: _Sequence) -> bool:
+    """Whether the sequence's next token is the argmax and nothing else (no logprobs, no penalties)."""
+    return sequence.sampler.params.is_plain_greedy() and sequence.request.logprobs is None
+
+
+def _step_shape(sequences: list[_Sequence]) -> tuple[int, int]:
+    """(rows, longest attention span) of a graph decode step over `sequences`: rows start at slot 0."""
+    return max(s.slot for s in sequences) + 1, max(s.cached + s.launched for s in sequences) + 1
 
 
 class Engine:
@@ -155,6 +174,7 @@ class Engine:
         # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
         self._use_cuda_graphs = cuda_graphs and not deterministic
         self._graphs: DecodeGraphs | None = None
+        self._pending: _Launched | None = None  # a graph decode step whose tokens the host has not taken yet
         self._prefill_graphs: PrefillGraphs | None = None  # first prompt chunks, for the plain (uncompiled) forward
         self._compile = compile_model  # the forward through torch.compile (inside the CUDA graphs on a GPU)
         self._observer = observer or _NoObserver()
@@ -574,33 +594,28 @@ class Engine:
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         """One token for each sequence: one batched forward (a forward each in deterministic mode)."""
-        if not sequences:
-            return
-        if self.deterministic:
+        if self._graphs:
+            self._decode_graphs(sequences)
+        elif self.deterministic:
             for sequence in sequences:
                 self._decode_rows([sequence])
-        else:
+        elif sequences:
             self._decode_rows(sequences)
 
     def _decode_rows(self, sequences: list[_Sequence]) -> None:
-        """A forward over the cache rows from the lowest to the highest slot of `sequences`; rows in between that are
-        not theirs (free slots, sequences still in prefill) compute a throwaway token into the scratch position."""
-        cache = self._cache
-        first = 0 if self._graphs else min(s.slot for s in sequences)  # graphs always start at row 0
+        """An eager forward over the cache rows from the lowest to the highest slot of `sequences`; rows in between
+        that are not theirs (free slots, sequences still in prefill) compute a throwaway token into the scratch
+        position."""
+        first = min(s.slot for s in sequences)
         rows = max(s.slot for s in sequences) + 1 - first
-        tokens = [0] * rows
-        positions = [cache.slot_len] * rows
-        lengths = [0] * rows
+        tokens, positions, lengths = [0] * rows, [self._cache.slot_len] * rows, [0] * rows
         for s in sequences:
             tokens[s.slot - first] = s.output_ids[-1]
             positions[s.slot - first] = s.cached
             lengths[s.slot - first] = s.cached + 1
         with self._failing(sequences):
-            best = None
-            if self._graphs:
-                logits, best = self._graphs.run(tokens, positions, lengths)
-            else:
-                logits = self._decode_step(tokens, positions, lengths, first)
+            logits = self._decode_step(tokens, positions, lengths, first)
+            best = _best(logits).tolist() if any(_plain(s) for s in sequences) else []
             for s in sequences:
                 s.cached += 1
             self._choose(sequences, logits, first, best)
@@ -614,30 +629,80 @@ class Engine:
         mask = decode_mask(torch.tensor(lengths, device=device), kv_len, self._dtype)
         return self._forward(torch.tensor(tokens, device=device)[:, None], position_ids, mask)
 
-    def _choose(
-        self, sequences: list[_Sequence], logits: torch.Tensor, first: int, best: torch.Tensor | None = None
-    ) -> None:
-        """Each sequence's next token from its row (slot - first) of `logits`. Plain greedy rows take the argmax
-        where the logits are (or `best`, the rows' (largest logit, its id) computed with them), so only ids and
-        maxima cross to the host; the others are sampled on the host from one copy of their rows."""
-        plain: list[_Sequence] = []
+    def _decode_graphs(self, sequences: list[_Sequence]) -> None:
+        """One decode step as a CUDA graph over cache rows 0.. (the highest slot of `sequences`), rows that are not
+        theirs computing a throwaway token into the scratch position.
+
+        When every sequence decodes greedily with nothing but the token (the common case), the host does not wait for
+        the step: it launches it, then reads the previous step's tokens while this one runs, and the graph takes each
+        continuing row's token from the previous step's result on the GPU. The host's work per token (reading the
+        result, detokenizing, handing out events, filling the next step's inputs) then overlaps the GPU's instead of
+        adding to it. A sequence that the previous step ends (EOS, a stop string) has its row of this step computed
+        and thrown away; its KV write lands in its freed slot beyond what the next holder has written, and every
+        position is written before it is read."""
+        graphs, pending, self._pending = self._graphs, self._pending, None
+        overlap = all(_plain(s) for s in sequences)
+        launch = self._launchable(sequences)
+        if pending and not (overlap and launch and graphs.captured(*_step_shape(launch))):
+            self._collect(pending)
+            pending = None
+            launch = self._launchable(sequences)
+        step = None
+        if launch:
+            with self._failing(launch):
+                step = self._launch(launch)
+        if pending:
+            self._collect(pending)
+        if step:
+            if overlap:
+                self._pending = step
+            else:
+                self._collect(step)
+
+    def _launchable(self, sequences: list[_Sequence]) -> list[_Sequence]:
+        """The sequences that are still running and have a token to generate after those already launched."""
+        return [
+            s
+            for s in sequences
+            if self._active.get(s.request.request_id) is s and len(s.output_ids) + s.launched < s.request.max_tokens
+        ]
+
+    def _launch(self, sequences: list[_Sequence]) -> _Launched:
+        rows, _ = _step_shape(sequences)
+        tokens, positions, lengths, chained = [0] * rows, [self._cache.slot_len] * rows, [0] * rows, [False] * rows
+        for s in sequences:
+            position = s.cached + s.launched
+            tokens[s.slot] = s.output_ids[-1]
+            positions[s.slot], lengths[s.slot], chained[s.slot] = position, position + 1, s.launched > 0
+            s.launched += 1
+        return _Launched(sequences, self._graphs.launch(tokens, positions, lengths, chained))
+
+    def _collect(self, launched: _Launched) -> None:
+        """Wait for a launched step and take its tokens, for the sequences that still run."""
+        sequences = launched.sequences
+        for s in sequences:
+            s.launched -= 1
+        sequences = [s for s in sequences if self._active.get(s.request.request_id) is s]
+        with self._failing(sequences):
+            best = launched.step.result()
+            for s in sequences:
+                s.cached += 1
+            self._choose(sequences, launched.step.logits, 0, best)
+
+    def _choose(self, sequences: list[_Sequence], logits: torch.Tensor, first: int, best: list[list[float]]) -> None:
+        """Each sequence's next token from its row (slot - first) of `logits`: plain greedy rows take it from `best`,
+        the rows' (largest logit, its id) computed where the logits are, so only those cross to the host; the others
+        are sampled on the host from one copy of their rows."""
         others: list[_Sequence] = []
         for s in sequences:
-            (plain if s.sampler.params.is_plain_greedy() and s.request.logprobs is None else others).append(s)
-        if plain:
-            if best is None:
-                values, ids = logits[[s.slot - first for s in plain]].max(-1)  # ties: the lowest id, as the Sampler
-                best = torch.stack([values.float(), ids.float()], 1)
-                rows = range(len(plain))
+            if not _plain(s):
+                others.append(s)
+                continue
+            value, token = best[s.slot - first]
+            if math.isfinite(value):  # a NaN anywhere comes out as the maximum
+                self._accept(s, int(token), None)
             else:
-                rows = [s.slot - first for s in plain]
-            chosen = best.tolist()  # one copy to the host for both (ids are exact in float32 up to 2**24)
-            for s, row in zip(plain, rows, strict=True):
-                value, token = chosen[row]
-                if math.isfinite(value):  # a NaN anywhere comes out as the maximum
-                    self._accept(s, int(token), None)
-                else:
-                    self._fail(s, ErrorCode.INFERENCE_FAILED, "inference failed: the model's logits are not finite")
+                self._fail(s, ErrorCode.INFERENCE_FAILED, "inference failed: the model's logits are not finite")
         if others:
             host = logits[[s.slot - first for s in others]].float().cpu()
             for row, s in enumerate(others):
@@ -776,6 +841,13 @@ def kv_budget(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_KV_SHARE) - ACTIVATION_RESERVE_BYTES
     return int(psutil.virtual_memory().available * CPU_KV_SHARE)
+
+
+def _best(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's (largest logit, its token id) in float32 (ids are exact up to 2**24); ties: the lowest id, as the
+    Sampler."""
+    values, ids = logits.max(-1)
+    return torch.stack([values.float(), ids.float()], 1)
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
