@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 PEERS = ("transformers", "transformers-static", "transformers-cb", "llama.cpp")
+CONCURRENCY = [1, 4, 16, 64]  # the bench's default stream counts
 
 
 def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict:

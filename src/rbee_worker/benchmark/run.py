@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from rbee_worker.benchmark.peers import CONCURRENCY
+
 TEXT = (
     "The history of the river town begins with the old stone bridge, built by farmers who needed a way to bring "
     "their grain to the market on the other bank. Over the centuries the town grew around the bridge: mills, "
@@ -276,7 +278,8 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     flags = "".join(f"_{flag.lstrip('-').replace('=', '_')}" for flag in args.worker_flag)
-    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{flags}_{name}"
+    streams = "" if args.concurrency == CONCURRENCY else "_c" + "-".join(map(str, args.concurrency))
+    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{flags}{streams}_{name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
     return 0
