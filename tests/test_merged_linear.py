@@ -44,7 +44,8 @@ def test_a_slice_called_with_another_input_computes_its_own_product() -> None:
     with torch.no_grad():
         for piece in slices:
             piece(x)
-    assert product._input is None and product._output is None  # no activations kept once every reader had its rows
+    # No activations kept once every reader had its rows.
+    assert product._latest.input is None and product._latest.output is None
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -18,21 +18,33 @@ from rbee_worker.models.int8_linear import Int8Linear
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+class _Latest:
+    """The latest input of a SharedProduct, its product, and how many readers have yet to take it. A plain object:
+    these change 15 times per layer in every step, and nn.Module's __setattr__ looks each name up in its parameters,
+    buffers and submodules first (on the demo model's CPU decode: 450 calls a step, about 2% of its time)."""
+
+    __slots__ = ("input", "output", "unread")
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.unread = 0
+
+
 class SharedProduct(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module, readers: int) -> None:
         super().__init__()
         self.layer, self.readers = layer, readers
-        self._input: torch.Tensor | None = None
-        self._output: torch.Tensor | None = None
-        self._unread = 0
+        self._latest = _Latest()
 
     def read(self, x: torch.Tensor) -> torch.Tensor:
-        if x is not self._input or self._unread == 0:
-            self._input, self._output, self._unread = x, self.layer(x), self.readers
-        output = self._output
-        self._unread -= 1
-        if self._unread == 0:  # every reader has it: keep no activations alive between forwards
-            self._input = self._output = None
+        latest = self._latest
+        if x is not latest.input or latest.unread == 0:
+            latest.input, latest.output, latest.unread = x, self.layer(x), self.readers
+        output = latest.output
+        latest.unread -= 1
+        if latest.unread == 0:  # every reader has it: keep no activations alive between forwards
+            latest.input = latest.output = None
         return output
 
 
