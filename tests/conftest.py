@@ -139,3 +139,58 @@ def submit_together(engine, requests: Sequence, timeout: float = 120) -> list[li
         assert isinstance(event, End), event
         results.append(ids)
     return results
+
+
+def run_mixed_traffic(engine, prompts: Sequence[str], stop: str | None) -> list[tuple[list[int], str]]:
+    """Greedy requests of different lengths (with `stop`, one more that it ends) and a sampled one, submitted together,
+    then a second wave submitted while the first still decodes: each request's (token ids, stop reason)."""
+    import dataclasses
+    import queue
+
+    from rbee_worker.engine.sampling import SamplingParams
+    from rbee_worker.engine.types import End, Error, Request, Token
+
+    def requests(texts: Sequence[str], max_tokens: list[int]) -> list[Request]:
+        return [Request(engine.tokenize(p), max_tokens=m, sampling=SamplingParams(temperature=0)) for p, m in
+                zip(texts, max_tokens, strict=True)]  # fmt: skip
+
+    first = requests(prompts, [1, 7, 64])
+    first.append(Request(engine.tokenize(prompts[0]), max_tokens=24, sampling=SamplingParams(temperature=0.8), seed=5))
+    if stop is not None:
+        first.append(dataclasses.replace(first[2], request_id="stopped", stop=(stop,)))
+    second = requests(prompts[::-1], [40, 3, 33])
+    streams = [queue.SimpleQueue() for _ in (*first, *second)]
+    for request, events in zip(first, streams, strict=False):
+        engine.submit(request, events.put)
+    ids: list[list[int]] = [[] for _ in streams]
+    while not ids[2]:  # the long request decodes: the second wave joins it
+        if isinstance(event := streams[2].get(timeout=300), Token):
+            ids[2].extend(event.token_ids)
+    for request, events in zip(second, streams[len(first) :], strict=True):
+        engine.submit(request, events.put)
+    results = []
+    for events, tokens in zip(streams, ids, strict=True):
+        while not isinstance(event := events.get(timeout=300), End | Error):
+            if isinstance(event, Token):
+                tokens.extend(event.token_ids)
+        assert isinstance(event, End), event
+        results.append((tokens, event.stop_reason.value))
+    return results
+
+
+def assert_launched_ahead_as_waiting(waiting, ahead, prompts: Sequence[str]) -> None:
+    """Requests of every kind (ending at max_tokens, at a stop string while the next step already runs, sampled,
+    joining a running batch) get from `ahead`, whose decode steps are launched before the host reads the previous
+    one, the tokens that `waiting` (no graphs: every step waited for) gives; and steps really ran ahead."""
+    for engine in (waiting, ahead):
+        engine.loaded  # noqa: B018 -- no graph capture (which bars other threads' CUDA work) while the other serves
+    reference = run_mixed_traffic(waiting, prompts, stop=None)
+    long_text = waiting.detokenize(tuple(reference[2][0]))
+    stop = long_text[len(long_text) // 2 : len(long_text) // 2 + 4]  # ends a copy of the long request midway
+    expected = [*reference[:4], run_mixed_traffic(waiting, prompts, stop)[4], *reference[4:]]
+    assert expected[4][1] == "STOP_SEQUENCE" and len(expected[4][0]) < len(reference[2][0])
+    chained: list[list[bool]] = []
+    launch = ahead._graphs.launch
+    ahead._graphs.launch = lambda *args: chained.append(args[3]) or launch(*args)
+    assert run_mixed_traffic(ahead, prompts, stop) == expected
+    assert any(any(rows) for rows in chained)

@@ -1,20 +1,18 @@
 """CUDA parity on a random-weight Llama (fixed seed, demo tokenizer). Skipped where there is no CUDA GPU (CI)."""
 
-import dataclasses
 import functools
-import queue
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy, make_tiny_model, submit_together
+from conftest import assert_launched_ahead_as_waiting, greedy, make_tiny_model, submit_together
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.compiled import is_compiled
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.kv_cache import decode_mask
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Error, Request, Token
+from rbee_worker.engine.types import Request
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
@@ -113,41 +111,9 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
     assert results[0] == results[1]
 
 
-def run_mixed_traffic(engine: Engine, stop: str | None) -> list[tuple[list[int], str]]:
-    """Greedy requests of different lengths (one ended by `stop`) and a sampled one, submitted together, then a
-    second wave submitted while the first still decodes: each request's (token ids, stop reason)."""
-
-    def requests(prompts: list[str], max_tokens: list[int]) -> list[Request]:
-        return [Request(engine.tokenize(p), max_tokens=m, sampling=SamplingParams(temperature=0)) for p, m in
-                zip(prompts, max_tokens, strict=True)]  # fmt: skip
-
-    first = requests(PROMPTS, [1, 7, 64])
-    first.append(Request(engine.tokenize(PROMPTS[0]), max_tokens=24, sampling=SamplingParams(temperature=0.8), seed=5))
-    if stop is not None:
-        first.append(dataclasses.replace(first[2], request_id="stopped", stop=(stop,)))
-    second = requests(PROMPTS[::-1], [40, 3, 33])
-    streams = [queue.SimpleQueue() for _ in (*first, *second)]
-    for request, events in zip(first, streams, strict=False):
-        engine.submit(request, events.put)
-    while not isinstance(streams[2].get(timeout=300), Token):  # the long request decodes: the second wave joins it
-        pass
-    for request, events in zip(second, streams[len(first) :], strict=True):
-        engine.submit(request, events.put)
-    results = []
-    for events in streams:
-        ids: list[int] = []
-        while not isinstance(event := events.get(timeout=300), End | Error):
-            if isinstance(event, Token):
-                ids.extend(event.token_ids)
-        assert isinstance(event, End), event
-        results.append((ids, event.stop_reason.value))
-    return results
-
-
 def test_decode_steps_launched_ahead_give_the_tokens_of_waiting_for_each(random_llama: Path) -> None:
     """With CUDA graphs, a greedy step is launched before the host reads the previous one, its tokens chained on the
-    GPU. Requests of every kind (ending at max_tokens, at a stop string while the next step already runs, sampled,
-    joining a running batch) get the tokens of an engine that waits for every step (no graphs); fp32 with peaked
+    GPU: every kind of request gets the tokens of an engine that waits for every step (no graphs); fp32 with peaked
     logits, so rounding cannot flip a choice."""
     engines = {
         graphs: Engine(
@@ -156,20 +122,7 @@ def test_decode_steps_launched_ahead_give_the_tokens_of_waiting_for_each(random_
         for graphs in (False, True)
     }
     try:
-        for engine in engines.values():
-            engine.loaded  # noqa: B018 -- no graph capture (which bars other threads' CUDA work) while the other serves
-        reference = run_mixed_traffic(engines[False], stop=None)
-        long_text = engines[False].detokenize(tuple(reference[2][0]))
-        stop = long_text[len(long_text) // 2 : len(long_text) // 2 + 4]  # ends the copy of the long request midway
-        launched: list[list[bool]] = []
-        graphs = engines[True]._graphs
-        launch = graphs.launch
-        graphs.launch = lambda *args: launched.append(args[3]) or launch(*args)
-        expected = [*reference[:4], None, *reference[4:]]
-        expected[4] = run_mixed_traffic(engines[False], stop)[4]
-        assert expected[4][1] == "STOP_SEQUENCE" and len(expected[4][0]) < len(reference[2][0])
-        assert run_mixed_traffic(engines[True], stop) == expected
-        assert any(any(chained) for chained in launched)  # steps really ran ahead of the host
+        assert_launched_ahead_as_waiting(waiting=engines[False], ahead=engines[True], prompts=PROMPTS)
     finally:
         for engine in engines.values():
             engine.close()

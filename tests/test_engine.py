@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import submit_together
+import torch
+from conftest import assert_launched_ahead_as_waiting, submit_together
 
 from rbee_worker.devices import resolve_placement
+from rbee_worker.engine import cuda_graphs
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
@@ -289,3 +291,67 @@ def test_async_stream_matches_the_blocking_one_and_leaving_cancels(engine: Engin
     while engine.in_flight and time.perf_counter() < deadline:
         time.sleep(0.01)
     assert engine.in_flight == 0
+
+
+class ReplayedStep:
+    """A stand-in for a captured CUDA graph on the CPU: replay runs the step again into the outputs of its capture,
+    with the KV cache's batch rows as they were at capture (what a CUDA graph keeps: the addresses it read)."""
+
+    def __init__(self, step, outputs, cache) -> None:
+        self.step, self.outputs, self.cache = step, outputs, cache
+        self.rows = {k: v for k, v in vars(cache).items() if k != "_zeroed"}  # not the lazily zeroed extent
+
+    def replay(self) -> None:
+        vars(self.cache).update(self.rows)
+        outputs = self.step()
+        if isinstance(outputs, tuple):
+            for static, new in zip(self.outputs, outputs, strict=True):
+                static.copy_(new)
+        else:
+            self.outputs.copy_(outputs)
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines made in the test run their decode steps through DecodeGraphs on the CPU (see ReplayedStep)."""
+    caches = []
+
+    def prepare(engine: Engine, loaded) -> None:
+        caches.append(engine._cache)
+        with torch.inference_mode():
+            engine._warm_up(graphs=True)
+
+    def capture(step, pool):
+        outputs = step()
+        return ReplayedStep(step, outputs, caches[-1]), outputs
+
+    zeros = torch.zeros
+    monkeypatch.setattr(
+        Engine, "_prepare_forward", lambda engine, loaded: prepare(engine, loaded) if engine._use_cuda_graphs else None
+    )
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    monkeypatch.setattr(torch, "zeros", lambda *args, pin_memory=False, **kwargs: zeros(*args, **kwargs))
+    monkeypatch.setattr(
+        torch.cuda, "Event", lambda: type("Done", (), {"record": lambda _: None, "synchronize": lambda _: None})()
+    )
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def test_decode_steps_launched_ahead_chain_tokens_as_waiting_for_each(demo_gguf: Path, cpu_graphs: None) -> None:
+    """The bookkeeping of decode steps launched before the host reads the previous one (engine._decode_graphs), run on
+    the CPU through DecodeGraphs (tests/test_cuda.py runs it on real CUDA graphs): every kind of request gets the tokens
+    of an engine that waits for every step."""
+    per_token = 2 * 30 * 3 * 64 * 4  # the demo model's float32 keys and values of one token, all layers
+    engines = [
+        Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")), max_batch=8,
+               kv_cache_bytes=8 * 512 * per_token, cuda_graphs=graphs)
+        for graphs in (False, True)
+    ]  # fmt: skip
+    try:
+        assert engines[0]._graphs is None and engines[1].loaded and engines[1]._graphs is not None
+        assert_launched_ahead_as_waiting(
+            waiting=engines[0], ahead=engines[1], prompts=[STORY, "def add(a, b):", "Paris is"]
+        )
+    finally:
+        for engine in engines:
+            engine.close()
