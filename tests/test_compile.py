@@ -3,7 +3,6 @@ it reports ready, and decodes what the plain forward decodes (a random-weight Ll
 so that rounding cannot flip a choice)."""
 
 import functools
-import time
 from pathlib import Path
 
 import pytest
@@ -43,16 +42,19 @@ def test_compiled_cpu_forward_decodes_as_the_plain_one(random_llama: Path) -> No
         try:
             model = engine.loaded.model  # waits for the load (and the compilation)
             assert is_compiled(model) is compile_model
-            # Compiled before ready: the first requests (one alone, then three together) find every shape compiled.
-            started = time.perf_counter()
+            # Compiled before ready: the first requests (one alone, then several together, prompts of 1 token and up)
+            # find every shape compiled; a compilation now would fail them.
+            torch.compiler.set_stance("fail_on_recompile")
             alone = submit_together(engine, [Request(engine.tokenize(PROMPTS[0]), max_tokens=24,
                                                      sampling=SamplingParams(temperature=0))])  # fmt: skip
+            prompts = [engine.tokenize(p) for p in PROMPTS] + [engine.tokenize(PROMPTS[1])[:1]]
             together = submit_together(
-                engine,
-                [Request(engine.tokenize(p), max_tokens=24, sampling=SamplingParams(temperature=0)) for p in PROMPTS],
+                engine, [Request(p, max_tokens=24, sampling=SamplingParams(temperature=0)) for p in prompts]
             )
-            assert time.perf_counter() - started < 10  # a compilation takes tens of seconds here
-            results.append((alone, together))
+            one_token = submit_together(engine, [Request(prompts[-1], max_tokens=4,
+                                                         sampling=SamplingParams(temperature=0))])  # fmt: skip
+            results.append((alone, together, one_token))
         finally:
+            torch.compiler.set_stance("default")
             engine.close()
     assert results[0] == results[1]

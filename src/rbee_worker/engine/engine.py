@@ -494,7 +494,7 @@ class Engine:
         """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN and the first-chunk prefill graphs. Compiled
         layers also run the forwards that stay eager once (prompt chunks of one and two rows, of different lengths,
         and without graphs decode steps of one and two rows), so that they are compiled for any shape before the
-        first request."""
+        first request (tests/test_compile.py fails any compilation after ready)."""
         if graphs:
             self._graphs = DecodeGraphs(self._model, self._cache, self._cache_kwarg, self._dtype)
             self._graphs.warm_up(max_span=GRAPH_WARM_SPAN)
@@ -503,8 +503,10 @@ class Engine:
             )
             self._prefill_graphs.warm_up()
         if self._compile:
-            # Slots 0 and 1, which no request holds yet.
-            self._prompt_forward([0], [([0] * 16, 0)])
+            # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
+            # of two lengths (it took the first length it met for a constant).
+            for count in (1, 16, 24):
+                self._prompt_forward([0], [([0] * count, 0)])
             self._prompt_forward([0], [([0] * 48, 16)])
             if self._cache.slots > 1:
                 self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
