@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, prefill_mask
+from rbee_worker.engine.sampling import greedy_rows
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_SPAN = 128
@@ -130,9 +131,9 @@ class DecodeGraphs:
                 **{self.cache_kwarg: self.cache},
             )
             logits = output.logits[:, -1]
-            values, ids = logits.max(-1)  # ties: the lowest id, as the Sampler
-            self.chosen[:rows].copy_(ids)
-            return logits, torch.stack([values.float(), ids.float()], 1)
+            best = greedy_rows(logits)
+            self.chosen[:rows].copy_(best[:, 1])  # exact: ids are whole numbers below 2**24
+            return logits, best
 
         graph, outputs = capture(step, self.pool)
         self.graphs[rows, span] = (graph, outputs, self.cache.row_index)

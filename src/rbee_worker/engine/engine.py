@@ -40,7 +40,7 @@ from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
-from rbee_worker.engine.sampling import Sampler, random_seed
+from rbee_worker.engine.sampling import Sampler, greedy_rows, random_seed
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel
@@ -617,7 +617,7 @@ class Engine:
             lengths[s.slot - first] = s.cached + 1
         with self._failing(sequences):
             logits = self._decode_step(tokens, positions, lengths, first)
-            best = _best(logits).tolist() if any(_plain(s) for s in sequences) else []
+            best = greedy_rows(logits).tolist() if any(_plain(s) for s in sequences) else []
             for s in sequences:
                 s.cached += 1
             self._choose(sequences, logits, first, best)
@@ -843,13 +843,6 @@ def kv_budget(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_KV_SHARE) - ACTIVATION_RESERVE_BYTES
     return int(psutil.virtual_memory().available * CPU_KV_SHARE)
-
-
-def _best(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's (largest logit, its token id) in float32 (ids are exact up to 2**24); ties: the lowest id, as the
-    Sampler."""
-    values, ids = logits.max(-1)
-    return torch.stack([values.float(), ids.float()], 1)
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

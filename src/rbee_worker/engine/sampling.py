@@ -245,6 +245,13 @@ class Sampler:
         return ids, probs
 
 
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's (largest logit, its token id) as float32 [rows, 2] (ids are exact up to 2**24), computed where the
+    logits are, so that greedy rows need one small copy to the host; ties: the lowest id, as `_argmax`."""
+    values, ids = logits.max(-1)
+    return torch.stack([values.float(), ids.float()], 1)
+
+
 def _argmax(scores: torch.Tensor) -> int:
     best = scores.max(0)  # ties: the first maximum, i.e. the lowest id; a NaN anywhere comes out as the maximum
     if not float(best.values) > -math.inf:
