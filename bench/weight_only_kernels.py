@@ -1,8 +1,9 @@
 """The products of one Llama-3.1-8B decode step (32 layers' q/k/v/o/gate/up/down and the LM head, distinct matrices so
 that nothing stays in cache) replayed as one CUDA graph, per weight format: bfloat16 (cuBLAS); int4 group 32 as
-PyTorch's tinygemm (`_weight_int4pack_mm`), as tinygemm's weights dequantized for cuBLAS (cuda_weight_only.py), and
-as Int4Linear runs them on CUDA (the first up to INT4_KERNEL_ROWS rows, the second beyond); int8 per row as
-PyTorch's `_weight_int8pack_mm` and as our Triton kernels that Int8Linear runs on CUDA. GPU only; random weights.
+PyTorch's tinygemm (`_weight_int4pack_mm`), as tinygemm's weights dequantized for cuBLAS (cuda_weight_only.py), as
+Int4Linear runs them on CUDA (the first up to INT4_KERNEL_ROWS rows, the second beyond), and the dequantizing alone;
+int8 per row as PyTorch's `_weight_int8pack_mm` and as our Triton kernels that Int8Linear runs on CUDA. GPU only;
+random weights.
 
     PYTHONPATH=src python bench/weight_only_kernels.py [--merged]
 
@@ -26,7 +27,7 @@ HIDDEN, KV, MLP, VOCAB = 4096, 1024, 14336, 128256
 SHAPES = ((HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP))
 # q/k/v as one matrix and gate/up as one (what vLLM loads): the same bytes in 4 products per layer instead of 7.
 MERGED = ((HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP))
-ROWS = (1, 8, 64, 512)
+ROWS = (1, 8, 16, 32, 64, 512)
 
 
 def graph_ms(products: Callable[[dict[int, torch.Tensor]], None], rows: int) -> float:
@@ -92,7 +93,10 @@ def main() -> None:
         return torch.ops.aten._convert_weight_to_int4pack(pairs, 8), scales_and_zeros
 
     def dequantized(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
-        return x @ tinygemm_dequantize(layer.packed, layer.scales_and_zeros, x.dtype)
+        return F.linear(x, tinygemm_dequantize(layer.packed, layer.scales_and_zeros, x.dtype))
+
+    def dequantize_only(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+        return tinygemm_dequantize(layer.packed, layer.scales_and_zeros, x.dtype)
 
     def int8(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.randint(-127, 128, (out, inp), device="cuda", dtype=torch.int8)
@@ -103,6 +107,7 @@ def main() -> None:
         "int4 g32 (tinygemm)": (tinygemm, lambda x, w: torch.ops.aten._weight_int4pack_mm(x, w[0], 32, w[1])),
         "int4 g32 (Int4Linear)": (int4, lambda x, layer: layer(x)),
         "int4 g32 (dequantized + cuBLAS)": (int4, dequantized),
+        "int4 g32 (dequantizing alone)": (int4, dequantize_only),
         "int8 (Triton, ours)": (int8, lambda x, w: int8_matmul(x, *w)),
         "int8 (_weight_int8pack_mm)": (int8, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1].bfloat16())),
     }
@@ -113,7 +118,8 @@ def main() -> None:
             for w, (_, inp) in zip(weights, [*shapes * LAYERS, (VOCAB, HIDDEN)], strict=True):
                 apply(inputs[inp], w)
 
-        rows = ROWS if "pack_mm" not in name else (1,)  # PyTorch's int8 kernel takes a second at 64 rows
+        # PyTorch's int8 kernel takes a second at 64 rows; dequantizing does not depend on the rows
+        rows = (1,) if "pack_mm" in name or "alone" in name else ROWS
         result["formats"][name] = {str(r): graph_ms(products, r) for r in rows}
         print(name, json.dumps(result["formats"][name]), flush=True)
         del weights

@@ -10,20 +10,30 @@ sequence) runs a GEMV kernel that accumulates in float32 on CUDA cores; more row
 activations' dtype (exact: |code| <= 127) for the tensor cores (`tl.dot`).
 
 int4: tinygemm (`aten._weight_int4pack_mm`) for a few rows; beyond INT4_KERNEL_ROWS a kernel here dequantizes
-tinygemm's packed weights (their layout read off the packing op itself, tinygemm_order) for cuBLAS. Our own int4 GEMV
-kernels, written and measured this way (three layouts, with and without a bit-trick int-to-float conversion), took
-3.5 to 5.2 ms for the 8B step's products at one row against tinygemm's 2.8, so tinygemm stays.
+tinygemm's packed weights (their layout read off the packing op itself, tinygemm_order) for cuBLAS: 8.4 ms for the 8B
+step's weights on an H200, about 2.2 TB/s of reads and writes (13.6 ms when each weight loaded its own word).
+
+Our own int4 kernels, written and measured in the 8B step's products at one row against tinygemm's 2.8 ms, and
+dropped: GEMV kernels on three byte layouts, with and without a bit-trick int-to-float conversion, 3.5 to 5.2 ms; on
+int32 words of 8 codes ([out, in / 8], a group's 32 codes in 4 words read by one thread, scales applied per group),
+3.7 to 5.0 ms, 4.8 ms with a row's whole input width held in registers. A `tl.dot` kernel dequantizing its tiles in
+registers took 9.3 ms at 8 rows against tinygemm's 5.5.
 """
 
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 # tinygemm up to this many rows, the dequantized weights with cuBLAS beyond. Products of an 8B decode step on an H200
-# (q/k/v and gate/up merged): tinygemm 2.8 / 5.7 / 34 / 266 ms at 1 / 8 / 64 / 512 rows.
+# (q/k/v and gate/up merged): tinygemm 2.8 / 5.7 / 9.0 / 17.4 / 34 ms at 1 / 8 / 16 / 32 / 64 rows, dequantized with
+# cuBLAS 12.9 to 13.1 ms from 1 to 64 rows (bench/results/weight_only_kernels_NVIDIA_H200_merged.json).
 INT4_KERNEL_ROWS = 16
+# tinygemm blocks of 8 rows per dequantizing program (with 2 warps). A one-off sweep on an H200, the 8B step's
+# weights: 7.8 to 7.9 ms at 2 / 4 / 8 blocks, 8.3 at one; 4 warps 0.3 to 0.7 ms slower, 8 warps 1 to 2 ms.
+DEQUANTIZE_ROW_BLOCKS = 4
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -115,40 +125,48 @@ def tinygemm_order(tiles: int, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _tinygemm_dequantize(
-    w_ptr, order_ptr, sz_ptr, out_ptr, N, K, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr
+    w_ptr, order_ptr, sz_ptr, out_ptr, N, K, WIDTH: tl.constexpr, ROW_BLOCKS: tl.constexpr
 ):  # fmt: skip
-    """Blocks of BLOCK_N output rows x WIDTH inputs (one k-block of tinygemm's layout) into W^T [in, out]."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    column = tl.arange(0, WIDTH)
-    rk = tl.program_id(1) * WIDTH + column
-    ok = (rn < N)[:, None]
-    position = tl.load(order_ptr + (rn % 8)[:, None] * WIDTH + column[None, :])
-    block = (rn // 8)[:, None] * (K // WIDTH) + tl.program_id(1)
-    word = tl.load(w_ptr + block * WIDTH + position // 8, mask=ok, other=0)
-    code = (word >> ((position % 8) * 4)) & 15
-    where = ((rk // 32)[None, :] * N + rn[:, None]) * 2
-    scale = tl.load(sz_ptr + where, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(sz_ptr + where + 1, mask=ok, other=0.0).to(tl.float32)
-    weight = ((code - 8).to(tl.float32) * scale + zero).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rk[None, :] * N + rn[:, None], weight, mask=ok)
+    """ROW_BLOCKS of tinygemm's blocks (8 output rows x WIDTH inputs, WIDTH contiguous int32 words each) down one
+    k-block into W [out, in]. A block's words are loaded once, split into their nibbles, and put in (row, input)
+    order by a gather in registers (tl.gather) instead of one load per weight."""
+    k_block = tl.program_id(1)
+    order = tl.load(order_ptr + tl.arange(0, 8 * WIDTH))
+    columns = k_block * WIDTH + tl.arange(0, WIDTH)
+    groups = k_block * (WIDTH // 32) + tl.arange(0, WIDTH // 32)
+    for i in tl.static_range(ROW_BLOCKS):
+        row_block = tl.program_id(0) * ROW_BLOCKS + i
+        if row_block < N // 8:
+            words = tl.load(w_ptr + (row_block * (K // WIDTH) + k_block) * WIDTH + tl.arange(0, WIDTH))
+            nibbles = tl.reshape((words[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 15, (8 * WIDTH,))
+            codes = tl.reshape(tl.gather(nibbles, order, axis=0), (8, WIDTH // 32, 32))
+            rows = row_block * 8 + tl.arange(0, 8)
+            where = (groups[None, :] * N + rows[:, None]) * 2
+            scale = tl.load(sz_ptr + where).to(tl.float32)[:, :, None]
+            zero = tl.load(sz_ptr + where + 1).to(tl.float32)[:, :, None]
+            weight = tl.reshape((codes - 8).to(tl.float32) * scale + zero, (8, WIDTH))
+            tl.store(out_ptr + rows[:, None] * K + columns[None, :], weight.to(out_ptr.dtype.element_ty))
 
 
 def tinygemm_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W^T [in, out] in `dtype` for tinygemm's packed weights ([out / 8, in / (16 tiles), 32, tiles / 2] int32) and
+    """W [out, in] in `dtype` for tinygemm's packed weights ([out / 8, in / (16 tiles), 32, tiles / 2] int32) and
     scales and zeros ([in / 32, out, 2]): w = (q - 8) * scale + zero."""
     groups, outputs, _ = scales_and_zeros.shape
     tiles = packed.shape[-1] * 2
     width, inputs = 16 * tiles, groups * 32
-    weight_t = torch.empty(inputs, outputs, device=packed.device, dtype=dtype)
+    weight = torch.empty(outputs, inputs, device=packed.device, dtype=dtype)
     order = tinygemm_order(tiles, packed.device)
-    grid = (triton.cdiv(outputs, 32), inputs // width)
-    _tinygemm_dequantize[grid](packed, order, scales_and_zeros, weight_t, outputs, inputs, WIDTH=width, BLOCK_N=32)
-    return weight_t
+    grid = (triton.cdiv(outputs // 8, DEQUANTIZE_ROW_BLOCKS), inputs // width)
+    _tinygemm_dequantize[grid](
+        packed, order, scales_and_zeros, weight, outputs, inputs, WIDTH=width, ROW_BLOCKS=DEQUANTIZE_ROW_BLOCKS,
+        num_warps=2,
+    )  # fmt: skip
+    return weight
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x [rows, in] @ W^T for tinygemm's int4 weights (group 32): tinygemm's own kernel for a few rows, the weights
     dequantized for cuBLAS for more (tinygemm's time grows with the rows: see INT4_KERNEL_ROWS)."""
     if x.shape[0] > INT4_KERNEL_ROWS:
-        return x @ tinygemm_dequantize(packed, scales_and_zeros, x.dtype)
+        return F.linear(x, tinygemm_dequantize(packed, scales_and_zeros, x.dtype))
     return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, 32, scales_and_zeros)

@@ -12,7 +12,7 @@ file's.
 tinygemm's time grows with the rows: on an H200 it ran the products of a Llama-3.1-8B decode step (q/k/v and gate/up
 merged, as a CUDA graph) in 2.78 ms against 4.06 ms in bfloat16 (cuBLAS) at one row, 5.7 ms at 8 rows, but 34 ms at
 64 and 266 ms at 512 (bfloat16: 4.35 and 12.0). Beyond cuda_weight_only.INT4_KERNEL_ROWS rows the weights are
-therefore dequantized for cuBLAS instead (19.1 ms at 64 rows, 26.1 at 512: a prompt of 512 tokens no longer takes a
+therefore dequantized for cuBLAS instead (13.1 ms at 64 rows, 20.3 at 512: a prompt of 512 tokens no longer takes a
 quarter of a second); bench/results/weight_only_kernels_NVIDIA_H200_merged.json.
 """
 
