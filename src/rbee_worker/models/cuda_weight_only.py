@@ -17,7 +17,11 @@ Our own int4 kernels, written and measured in the 8B step's products at one row 
 dropped: GEMV kernels on three byte layouts, with and without a bit-trick int-to-float conversion, 3.5 to 5.2 ms; on
 int32 words of 8 codes ([out, in / 8], a group's 32 codes in 4 words read by one thread, scales applied per group),
 3.7 to 5.0 ms, 4.8 ms with a row's whole input width held in registers. A `tl.dot` kernel dequantizing its tiles in
-registers took 9.3 ms at 8 rows against tinygemm's 5.5.
+registers took 9.3 ms at 8 rows against tinygemm's 5.5; one reading tinygemm's own blocks (each block's words loaded
+once and ordered by a register gather, as the dequantizing kernel below does) took 66 to 96 ms from 1 to 64 rows. On
+K-major words ([in / 8, out], columns read as vectors, split-K partials added up by the last program of a column
+block, in order): 2.75 ms at one row, tinygemm's speed, but 6.6 / 16.0 ms at 2 / 8 rows with the weights held in
+registers for a loop over the rows (tinygemm 3.0 / 5.5).
 """
 
 import functools
