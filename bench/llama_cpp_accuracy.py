@@ -2,10 +2,12 @@
 tokens on each, and perplexity over a fixed text; every model is also set against the float32 dequantized model (the
 file's weights exactly, computed in float32), which tells how far each side is from the weights it was given.
 
-    python bench/llama_cpp_accuracy.py [--model demo] [--threads 2]
+    python bench/llama_cpp_accuracy.py [--model demo] [--threads 2] [--text-file FILE ...]
 
 Needs llama-cpp-python (the `bench` extra). Both sides get the same token ids (no tokenizer in between). Prints a
-table and writes bench/results/llama_cpp_accuracy.json.
+table and writes bench/results/llama_cpp_accuracy.json. `--text-file` adds the perplexity over each file's first
+TEXT_FILE_TOKENS tokens: the fixed text is 158 tokens, short enough for the ratio between two models to move by a
+few percent from one text to the next.
 """
 
 import argparse
@@ -33,11 +35,14 @@ from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears
 from rbee_worker.models.loader import load_model, resolve_model_path
 
+TEXT_FILE_TOKENS = 1024  # within the 2048-token context both sides get
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="demo")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--text-file", type=Path, action="append", default=[])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -91,6 +96,12 @@ def main() -> None:
     result["perplexity"] = {name: perplexity(run, text) for name, run in systems.items()}
     ppl = result["perplexity"]
     result["perplexity_ratio_int4_vs_llama_cpp"] = ppl["rbee int4"] / ppl["llama.cpp"]
+    for file in args.text_file:
+        ids = tokenizer(file.read_text())["input_ids"][:TEXT_FILE_TOKENS]
+        ppl = {name: perplexity(run, ids) for name, run in systems.items()}
+        result.setdefault("perplexity_text_files", {})[file.name] = {
+            "tokens": len(ids), "perplexity": ppl, "ratio_int4_vs_llama_cpp": ppl["rbee int4"] / ppl["llama.cpp"]
+        }  # fmt: skip
     print(json.dumps(result, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "llama_cpp_accuracy.json").write_text(json.dumps(result, indent=2) + "\n")
