@@ -21,7 +21,10 @@ registers took 9.3 ms at 8 rows against tinygemm's 5.5; one reading tinygemm's o
 once and ordered by a register gather, as the dequantizing kernel below does) took 66 to 96 ms from 1 to 64 rows. On
 K-major words ([in / 8, out], columns read as vectors, split-K partials added up by the last program of a column
 block, in order): 2.75 ms at one row, tinygemm's speed, but 6.6 / 16.0 ms at 2 / 8 rows with the weights held in
-registers for a loop over the rows (tinygemm 3.0 / 5.5).
+registers for a loop over the rows (tinygemm 3.0 / 5.5). A `tl.dot` kernel on the same words (a word's 8 codes are
+consecutive inputs, so they unpack into a tile by a plain reshape), without split-K: 5.3 / 5.3 / 5.3 / 5.9 / 6.5 / 11.3
+ms at 2 / 8 / 16 / 32 / 64 / 128 rows, against 2.9 / 5.5 / 8.7 / 12.4 / 12.5 / 12.9 for what runs here: faster from
+8 rows on, slower below. With split-K for the few-row case it could replace tinygemm at every row count (not done).
 """
 
 import functools
