@@ -1,9 +1,9 @@
 """The products of one Llama-3.1-8B decode step (32 layers' q/k/v/o/gate/up/down and the LM head, distinct matrices so
 that nothing stays in cache) replayed as one CUDA graph, per weight format: bfloat16 (cuBLAS); int4 group 32 as
-PyTorch's tinygemm (`_weight_int4pack_mm`), as tinygemm's weights dequantized for cuBLAS (cuda_weight_only.py), as
-Int4Linear runs them on CUDA (the first up to INT4_KERNEL_ROWS rows, the second beyond), and the dequantizing alone;
-int8 per row as PyTorch's `_weight_int8pack_mm` and as our Triton kernels that Int8Linear runs on CUDA. GPU only;
-random weights.
+PyTorch's tinygemm (`_weight_int4pack_mm`), as Int4Linear runs it on CUDA (cuda_weight_only.py: the GEMV kernel at one
+row, the tl.dot kernel up to INT4_DOT_ROWS, the weights dequantized for cuBLAS beyond), as the tl.dot kernel and as the
+dequantized weights at every row count, and the dequantizing alone; int8 per row as PyTorch's `_weight_int8pack_mm` and
+as our Triton kernels that Int8Linear runs on CUDA. GPU only; random weights.
 
     PYTHONPATH=src python bench/weight_only_kernels.py [--merged]
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rbee_worker.models.cuda_weight_only import int8_matmul, tinygemm_dequantize
+from rbee_worker.models.cuda_weight_only import _int4_dot, int4_dequantize, int4_dot, int8_matmul
 from rbee_worker.models.int4_linear import Int4Linear
 
 LAYERS = 32
@@ -27,7 +27,7 @@ HIDDEN, KV, MLP, VOCAB = 4096, 1024, 14336, 128256
 SHAPES = ((HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP))
 # q/k/v as one matrix and gate/up as one (what vLLM loads): the same bytes in 4 products per layer instead of 7.
 MERGED = ((HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP))
-ROWS = (1, 8, 16, 32, 64, 512)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 
 
 def graph_ms(products: Callable[[dict[int, torch.Tensor]], None], rows: int) -> float:
@@ -93,10 +93,10 @@ def main() -> None:
         return torch.ops.aten._convert_weight_to_int4pack(pairs, 8), scales_and_zeros
 
     def dequantized(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
-        return F.linear(x, tinygemm_dequantize(layer.packed, layer.scales_and_zeros, x.dtype))
+        return F.linear(x, int4_dequantize(layer.packed, layer.scales_and_zeros, x.dtype))
 
     def dequantize_only(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
-        return tinygemm_dequantize(layer.packed, layer.scales_and_zeros, x.dtype)
+        return int4_dequantize(layer.packed, layer.scales_and_zeros, x.dtype)
 
     def int8(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = torch.randint(-127, 128, (out, inp), device="cuda", dtype=torch.int8)
@@ -106,6 +106,7 @@ def main() -> None:
         "bfloat16 (cuBLAS)": (bf16, lambda x, w: F.linear(x, w)),
         "int4 g32 (tinygemm)": (tinygemm, lambda x, w: torch.ops.aten._weight_int4pack_mm(x, w[0], 32, w[1])),
         "int4 g32 (Int4Linear)": (int4, lambda x, layer: layer(x)),
+        "int4 g32 (tl.dot kernel)": (int4, lambda x, layer: int4_dot(x, layer.packed, layer.scales_and_zeros)),
         "int4 g32 (dequantized + cuBLAS)": (int4, dequantized),
         "int4 g32 (dequantizing alone)": (int4, dequantize_only),
         "int8 (Triton, ours)": (int8, lambda x, w: int8_matmul(x, *w)),
@@ -124,6 +125,8 @@ def main() -> None:
         print(name, json.dumps(result["formats"][name]), flush=True)
         del weights
         torch.cuda.empty_cache()
+    # the int4 tl.dot kernel's tile per (rows bucket, outputs, inputs), as its autotuning chose
+    result["int4_dot_configs"] = {str(key[:3]): str(config) for key, config in _int4_dot.cache.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"weight_only_kernels_{card.replace(' ', '_')}{'_merged' if args.merged else ''}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -183,15 +183,15 @@ def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
             engine.close()
 
 
-@pytest.mark.parametrize("out", [384, 200])  # 200: 25 of tinygemm's 8-row blocks, not whole dequantizing programs
+@pytest.mark.parametrize("out", [384, 200])  # 200: not a whole number of any kernel's output tiles
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_quantized_layers_on_cuda_compute_their_weights(rows: int, out: int) -> None:
     """Int4Linear and Int8Linear (our Triton kernels: one row takes the GEMV kernel, more the tensor-core one, and
-    int4 beyond INT4_KERNEL_ROWS the dequantized weights with cuBLAS) on CUDA against float32 products with the
+    int4 beyond INT4_DOT_ROWS the dequantized weights with cuBLAS) on CUDA against float32 products with the
     weights they stand for, alone and stacked as merge_projections does; bfloat16 activations and output, so within
     a few bfloat16 steps of the largest output."""
     torch.manual_seed(0)
-    inputs = 576  # the demo model's input width: not a multiple of tinygemm's largest k-tile
+    inputs = 576  # the demo model's input width: 18 groups, not a whole number of the int4 kernels' k-blocks
     codes = torch.randint(0, 16, (out, inputs), dtype=torch.int32)
     scales, zeros = torch.rand(out, inputs // 32) * 0.01 + 1e-3, torch.randn(out, inputs // 32) * 0.01
     int4 = Int4Linear(codes.to(CUDA), scales.to(CUDA), zeros.to(CUDA), None)

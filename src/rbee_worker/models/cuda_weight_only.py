@@ -1,5 +1,4 @@
-"""Weight-only int8 matrix products on CUDA as Triton kernels, and int4 products with tinygemm's weights (the
-activations stay bfloat16 / float16).
+"""Weight-only int8 and int4 matrix products on CUDA as Triton kernels (the activations stay bfloat16 / float16).
 
 int8, why our own: on an H200, the products of one Llama-3.1-8B decode step (32 layers and the LM head, as a CUDA graph)
 took 4.65 / 4.68 / 4.91 ms at 1 / 8 / 64 rows in bfloat16 (cuBLAS) and 55 ms at one row with PyTorch's
@@ -9,22 +8,29 @@ Layout: `codes` int8 [out, in] and one float32 scale per output row, w = code * 
 sequence) runs a GEMV kernel that accumulates in float32 on CUDA cores; more rows convert a tile of codes to the
 activations' dtype (exact: |code| <= 127) for the tensor cores (`tl.dot`).
 
-int4: tinygemm (`aten._weight_int4pack_mm`) for a few rows; beyond INT4_KERNEL_ROWS a kernel here dequantizes
-tinygemm's packed weights (their layout read off the packing op itself, tinygemm_order) for cuBLAS: 8.4 ms for the 8B
-step's weights on an H200, about 2.2 TB/s of reads and writes (13.6 ms when each weight loaded its own word).
-
-Our own int4 kernels, written and measured in the 8B step's products at one row against tinygemm's 2.8 ms, and
-dropped: GEMV kernels on three byte layouts, with and without a bit-trick int-to-float conversion, 3.5 to 5.2 ms; on
-int32 words of 8 codes ([out, in / 8], a group's 32 codes in 4 words read by one thread, scales applied per group),
-3.7 to 5.0 ms, 4.8 ms with a row's whole input width held in registers. A `tl.dot` kernel dequantizing its tiles in
-registers took 9.3 ms at 8 rows against tinygemm's 5.5; one reading tinygemm's own blocks (each block's words loaded
-once and ordered by a register gather, as the dequantizing kernel below does) took 66 to 96 ms from 1 to 64 rows. On
-K-major words ([in / 8, out], columns read as vectors, split-K partials added up by the last program of a column
-block, in order): 2.75 ms at one row, tinygemm's speed, but 6.6 / 16.0 ms at 2 / 8 rows with the weights held in
-registers for a loop over the rows (tinygemm 3.0 / 5.5). A `tl.dot` kernel on the same words (a word's 8 codes are
-consecutive inputs, so they unpack into a tile by a plain reshape), without split-K: 5.3 / 5.3 / 5.3 / 5.9 / 6.5 / 11.3
-ms at 2 / 8 / 16 / 32 / 64 / 128 rows, against 2.9 / 5.5 / 8.7 / 12.4 / 12.5 / 12.9 for what runs here: faster from
-8 rows on, slower below. With split-K for the few-row case it could replace tinygemm at every row count (not done).
+int4 (group 32, w = (q - 8) * scale + zero): K-major int32 words, `words[w, n]` holding the codes of inputs 8w .. 8w + 7
+of output n (code j in bits 4j .. 4j + 3), so a program reads whole rows of words as vectors along the outputs and a
+word's 8 codes are consecutive inputs; scales and zeros [in / 32, out, 2] bfloat16, one int32 per (group, output).
+- What limits these products is instruction issue, not memory. The first K-major GEMV compiled to 8.4 instructions per
+  weight (SASS, counted with the ptxas that Triton ships) and took 141 us for an int4 LM head of 328 MB, where the
+  memory would allow 76 us. So the kernels decode without int-to-float conversions: a code goes into a float32's
+  mantissa under 1.0's exponent (f = 1 + q / 16, or 1 + q / 256 one byte lower) by a shift and an and-or; 1.0 comes
+  in as a kernel argument, because with both constants immediate ptxas needs two logic instructions.
+- One row: a GEMV kernel with one shift per two codes, each program loading one word row of its groups at a time so
+  that the FMAs accumulate straight into per-group sums, and the zero points folded into sums of x: 4.5 instructions
+  per weight. Up to INT4_DOT_ROWS rows: a `tl.dot` kernel decoding a tile the same way. Both split the inputs across
+  programs (split-K); the partial sums go to a float32 workspace and the last program of an output tile to arrive
+  (an atomic counter per tile, reset by that program) adds them up in a fixed order, so results do not depend on
+  timing. Beyond INT4_DOT_ROWS: the weights dequantized for cuBLAS.
+- Products of an 8B decode step on an H200 (q/k/v and gate/up merged, the LM head in int4 too, one CUDA graph;
+  bench/results/weight_only_kernels_NVIDIA_H200_merged.json): 2.21 ms at one row, where PyTorch's tinygemm
+  (`_weight_int4pack_mm`, what ran here before) takes 2.89 and bfloat16 3.99; 3.5 to 3.6 ms from 2 to 16 rows
+  (tinygemm 2.9 / 3.6 / 5.7 / 9.0 at 2 / 4 / 8 / 16); 4.9 / 5.4 / 8.9 ms at 32 / 64 / 128 (before: tinygemm's
+  weights dequantized for cuBLAS, 12.4 / 12.5 / 12.9). Dequantizing the step's weights takes 5.9 ms (8.4 before).
+- Dropped on the way (the same step at one row, against tinygemm's 2.8 ms): GEMVs on byte layouts and on row-major
+  int32 words, 3.5 to 5.2 ms; on K-major words with int-to-float conversions, 2.75 ms, and as a pipelined loop, or
+  with each program's tile stored contiguously, no faster; `tl.dot` kernels reading tinygemm's blocks, 66 to 96 ms;
+  a `tl.dot` kernel decoding to bfloat16 through int16 bits, 7.2 ms at every row count.
 """
 
 import functools
@@ -34,13 +40,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# tinygemm up to this many rows, the dequantized weights with cuBLAS beyond. Products of an 8B decode step on an H200
-# (q/k/v and gate/up merged): tinygemm 2.8 / 5.7 / 9.0 / 17.4 / 34 ms at 1 / 8 / 16 / 32 / 64 rows, dequantized with
-# cuBLAS 12.9 to 13.1 ms from 1 to 64 rows (bench/results/weight_only_kernels_NVIDIA_H200_merged.json).
-INT4_KERNEL_ROWS = 16
-# tinygemm blocks of 8 rows per dequantizing program (with 2 warps). A one-off sweep on an H200, the 8B step's
-# weights: 7.8 to 7.9 ms at 2 / 4 / 8 blocks, 8.3 at one; 4 warps 0.3 to 0.7 ms slower, 8 warps 1 to 2 ms.
-DEQUANTIZE_ROW_BLOCKS = 4
+# The int4 tl.dot kernel up to this many rows, the weights dequantized for cuBLAS beyond: the products of an 8B decode
+# step on an H200 took 8.9 against 10.8 ms at 128 rows, 33.7 against 17.1 at 512 (bench/weight_only_kernels.py).
+INT4_DOT_ROWS = 128
+# The int4 GEMV's tile, BLOCK_N outputs x GROUPS groups of 32 inputs with 2 warps: the fastest of 12 tiles for every
+# shape of the 8B step on an H200 (64 to 512 outputs, 2 to 8 groups, 2 to 8 warps).
+GEMV_BLOCK_N, GEMV_GROUPS = 64, 8
+FLOAT_ONE = 0x3F800000  # the bits of float32 1.0
 
 
 def _gemv_configs() -> list[triton.Config]:
@@ -111,69 +117,227 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
 
 
 @functools.cache
-def tinygemm_order(tiles: int, device: torch.device) -> torch.Tensor:
-    """Where tinygemm's packing puts each weight of a block of 8 output rows x 16 * tiles inputs: for weight (r, c)
-    at index r * 16 * tiles + c, the index of its nibble among the block's nibbles (its 16 * tiles int32 words in
-    order, each from its low nibble up). Found by packing the weights' own indices 4 bits at a time, so it holds
-    for whatever layout this PyTorch build's `_convert_weight_to_int4pack` produces."""
-    width = 16 * tiles
-    ids = torch.arange(8 * width, device=device).reshape(8, width)
-    found = torch.zeros(8 * width, dtype=torch.int64, device=device)
-    for shift in range(0, (8 * width - 1).bit_length(), 4):
-        codes = (ids >> shift) & 15
-        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-        words = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles).reshape(-1, 1)
-        nibbles = (words >> torch.arange(0, 32, 4, device=device)) & 15
-        found |= nibbles.reshape(-1).long() << shift
-    order = torch.empty_like(found)
-    order[found] = torch.arange(found.numel(), device=device)
-    return order.to(torch.int32)
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """One arrival counter per output tile for the split-K kernels, zero between kernels (each last program resets
+    its tile's). Shared by every int4 layer on the device: their kernels run one after another on one stream."""
+    return torch.zeros(1 << 17, device=device, dtype=torch.int32)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] (0..15, in a multiple of 32) -> words [in / 8, out] int32, code j of word w = input 8w + j."""
+    outputs, inputs = codes.shape
+    if triton.cdiv(outputs, 32) * triton.cdiv(INT4_DOT_ROWS, 16) > _tile_counters(codes.device).numel():
+        raise ValueError(f"{outputs} outputs: more output tiles than the int4 kernels have counters")
+    by_word = codes.T.reshape(inputs // 8, 8, outputs)
+    words = torch.zeros(inputs // 8, outputs, device=codes.device, dtype=torch.int64)
+    for j in range(8):
+        words |= by_word[:, j].to(torch.int64) << (4 * j)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 @triton.jit
-def _tinygemm_dequantize(
-    w_ptr, order_ptr, sz_ptr, out_ptr, N, K, WIDTH: tl.constexpr, ROW_BLOCKS: tl.constexpr
+def _scale_and_zero(pairs):
+    """float32 scale and zero from int32 words each holding a bfloat16 scale (low half) and zero (high half)."""
+    scale = (pairs << 16).to(tl.float32, bitcast=True)
+    zero = (pairs & -65536).to(tl.float32, bitcast=True)
+    return scale, zero
+
+
+@triton.jit
+def _weight_tile(words, pairs, one, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The float32 weights [BLOCK_K, BLOCK_N] of words [BLOCK_K / 8, BLOCK_N] and their groups' scale and zero
+    pairs [BLOCK_K / 32, BLOCK_N]. Code j goes to mantissa bits 19 .. 22, f = 1 + q / 16 (the shift amounts are
+    constants per register once unrolled), and w = (q - 8) s + z = 16 s f + z - 24 s."""
+    j = tl.arange(0, 8)[None, :, None]
+    moved = (words[:, None, :] << tl.maximum(19 - 4 * j, 0)) >> tl.maximum(4 * j - 19, 0)
+    f = tl.reshape(((moved & 0x780000) | one).to(tl.float32, bitcast=True), (BLOCK_K // 32, 32, BLOCK_N))
+    scale, zero = _scale_and_zero(pairs)
+    return tl.reshape(f * (16.0 * scale)[:, None, :] + (zero - 24.0 * scale)[:, None, :], (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, offsets, mask, TILE: tl.constexpr):
+    """Add this program's partial `acc` (float32, TILE elements at `offsets` of y) into y: the last of the output
+    tile's tl.num_programs(2) programs to arrive adds every partial up in order and stores y."""
+    split = tl.num_programs(2)
+    if split == 1:
+        tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        element = tl.arange(0, TILE)
+        tl.store(part_ptr + (tl.program_id(2) * tiles + tile) * TILE + element, tl.reshape(acc, (TILE,)))
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1:
+            total = tl.zeros((TILE,), dtype=tl.float32)
+            for i in range(split):
+                total += tl.load(part_ptr + (i * tiles + tile) * TILE + element, cache_modifier=".cg")
+            tl.store(y_ptr + offsets, tl.reshape(total, acc.shape).to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _eight(t):
+    """[..., 8] -> its 8 slices along the last dim, in order (splits in registers)."""
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + (4, 2)))  # noqa: RUF005  j even, j odd: [..., 4] by j // 2
+    a0, a1 = tl.split(tl.reshape(a, a.shape[:-1] + (2, 2)))  # noqa: RUF005  j = 0, 4 / j = 2, 6
+    b0, b1 = tl.split(tl.reshape(b, b.shape[:-1] + (2, 2)))  # noqa: RUF005  j = 1, 5 / j = 3, 7
+    x0, x4 = tl.split(a0)
+    x2, x6 = tl.split(a1)
+    x1, x5 = tl.split(b0)
+    x3, x7 = tl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_gemv(
+    x_ptr, w_ptr, sz_ptr, y_ptr, part_ptr, count_ptr, N, K, one, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr
 ):  # fmt: skip
-    """ROW_BLOCKS of tinygemm's blocks (8 output rows x WIDTH inputs, WIDTH contiguous int32 words each) down one
-    k-block into W [out, in]. A block's words are loaded once, split into their nibbles, and put in (row, input)
-    order by a gather in registers (tl.gather) instead of one load per weight."""
-    k_block = tl.program_id(1)
-    order = tl.load(order_ptr + tl.arange(0, 8 * WIDTH))
-    columns = k_block * WIDTH + tl.arange(0, WIDTH)
-    groups = k_block * (WIDTH // 32) + tl.arange(0, WIDTH // 32)
-    for i in tl.static_range(ROW_BLOCKS):
-        row_block = tl.program_id(0) * ROW_BLOCKS + i
-        if row_block < N // 8:
-            words = tl.load(w_ptr + (row_block * (K // WIDTH) + k_block) * WIDTH + tl.arange(0, WIDTH))
-            nibbles = tl.reshape((words[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 15, (8 * WIDTH,))
-            codes = tl.reshape(tl.gather(nibbles, order, axis=0), (8, WIDTH // 32, 32))
-            rows = row_block * 8 + tl.arange(0, 8)
-            where = (groups[None, :] * N + rows[:, None]) * 2
-            scale = tl.load(sz_ptr + where).to(tl.float32)[:, :, None]
-            zero = tl.load(sz_ptr + where + 1).to(tl.float32)[:, :, None]
-            weight = tl.reshape((codes - 8).to(tl.float32) * scale + zero, (8, WIDTH))
-            tl.store(out_ptr + rows[:, None] * K + columns[None, :], weight.to(out_ptr.dtype.element_ty))
+    """One row: BLOCK_N outputs x GROUPS groups of 32 inputs per program."""
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    groups = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
+    g_ok = groups < K // 32
+    ok = g_ok[:, None] & n_ok[None, :]
+    even = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
+    odd = tl.zeros((GROUPS, BLOCK_N), dtype=tl.float32)
+    x_even = tl.zeros((GROUPS,), dtype=tl.float32)
+    x_all = tl.zeros((GROUPS,), dtype=tl.float32)
+    for r in tl.static_range(4):
+        rows = groups * 4 + r
+        words = tl.load(w_ptr + rows[:, None] * N + rn[None, :], mask=ok, other=0)
+        x = tl.load(x_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :], mask=g_ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        xs = _eight(x)
+        for m in tl.static_range(4):
+            # codes 2m and 2m + 1 (bits 8m .. 8m + 7) to mantissa bits 15 .. 18 and 19 .. 22: one shift for two
+            moved = words << (15 - 8 * m) if m < 2 else words >> (8 * m - 15)
+            even += ((moved & 0x78000) | one).to(tl.float32, bitcast=True) * xs[2 * m][:, None]  # 1 + q / 256
+            odd += ((moved & 0x780000) | one).to(tl.float32, bitcast=True) * xs[2 * m + 1][:, None]  # 1 + q / 16
+        x_even += xs[0] + xs[2] + xs[4] + xs[6]
+        x_all += tl.sum(x, axis=1)
+    scale, zero = _scale_and_zero(tl.load(sz_ptr + groups[:, None] * N + rn[None, :], mask=ok, other=0))
+    # the sum of q x is 256 (even - x_even) + 16 (odd - x_odd), and w = (q - 8) s + z
+    offset = (256.0 * x_even + 16.0 * (x_all - x_even) + 8.0 * x_all)[:, None]
+    acc = tl.sum(scale * (256.0 * even + 16.0 * odd - offset) + zero * x_all[:, None], axis=0)
+    _finish_split(acc, part_ptr, count_ptr, y_ptr, tl.program_id(1), rn, n_ok, BLOCK_N)
 
 
-def tinygemm_dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W [out, in] in `dtype` for tinygemm's packed weights ([out / 8, in / (16 tiles), 32, tiles / 2] int32) and
-    scales and zeros ([in / 32, out, 2]): w = (q - 8) * scale + zero."""
-    groups, outputs, _ = scales_and_zeros.shape
-    tiles = packed.shape[-1] * 2
-    width, inputs = 16 * tiles, groups * 32
-    weight = torch.empty(outputs, inputs, device=packed.device, dtype=dtype)
-    order = tinygemm_order(tiles, packed.device)
-    grid = (triton.cdiv(outputs // 8, DEQUANTIZE_ROW_BLOCKS), inputs // width)
-    _tinygemm_dequantize[grid](
-        packed, order, scales_and_zeros, weight, outputs, inputs, WIDTH=width, ROW_BLOCKS=DEQUANTIZE_ROW_BLOCKS,
-        num_warps=2,
-    )  # fmt: skip
+def _int4_dot_configs() -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): the tiles that autotuning over 48 (16 to 64 x 32 to 128 x 64 to 128,
+    1 to 8 splits) chose for some shape of the 8B step at 1 to 512 rows on an H200, and their neighbours."""
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, num_warps=4, num_stages=3)
+        for m, n, k, s in (
+            (16, 128, 64, 1), (16, 128, 64, 4), (16, 128, 64, 8), (16, 128, 128, 1), (16, 128, 128, 4),
+            (16, 128, 128, 8), (16, 64, 128, 4),
+            (32, 32, 128, 1), (32, 32, 128, 2), (32, 128, 64, 1), (32, 128, 128, 1),
+            (64, 32, 128, 2), (64, 64, 128, 1), (64, 64, 128, 2),
+        )
+    ]  # fmt: skip
+
+
+def _int4_dot_prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """Row tiles of 16 up to 16 rows, 32 up to 32, 64 beyond; split-K only up to 64 rows, so that the partial sums
+    never need more than 128 rows of workspace (int4_dot's `part`)."""
+    bucket = named_args["M_BUCKET"]
+    height = min(max(16, bucket), 64)
+    return [c for c in configs if c.kwargs["BLOCK_M"] == height and (bucket <= 64 or c.kwargs["SPLIT_K"] == 1)]
+
+
+@triton.autotune(
+    configs=_int4_dot_configs(), key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": _int4_dot_prune}
+)
+@triton.jit
+def _int4_dot(
+    x_ptr, w_ptr, sz_ptr, y_ptr, part_ptr, count_ptr, M, N, K, one, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (rn < N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(2)) * BLOCK_K
+    for k0 in range(tl.program_id(2) * per_split, tl.minimum(K, (tl.program_id(2) + 1) * per_split), BLOCK_K):
+        word_rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(
+            w_ptr + word_rows[:, None] * N + rn[None, :], mask=(word_rows < K // 8)[:, None] & n_ok, other=0
+        )
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        pairs = tl.load(sz_ptr + groups[:, None] * N + rn[None, :], mask=(groups < K // 32)[:, None] & n_ok, other=0)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + ks[None, :], mask=(rm < M)[:, None] & (ks < K)[None, :], other=0.0)
+        acc += tl.dot(x, _weight_tile(words, pairs, one, BLOCK_K, BLOCK_N).to(x.dtype))
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    mask = (rm < M)[:, None] & n_ok
+    _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, rm[:, None] * N + rn[None, :], mask, BLOCK_M * BLOCK_N)
+
+
+@triton.jit
+def _int4_dequantize(w_ptr, sz_ptr, out_ptr, N, K, one, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W [out, in] from the int4 words, a tile of BLOCK_K inputs x BLOCK_N outputs per program."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (rn < N)[None, :]
+    word_rows = tl.program_id(1) * BLOCK_K // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptr + word_rows[:, None] * N + rn[None, :], mask=(word_rows < K // 8)[:, None] & n_ok, other=0)
+    groups = tl.program_id(1) * BLOCK_K // 32 + tl.arange(0, BLOCK_K // 32)
+    pairs = tl.load(sz_ptr + groups[:, None] * N + rn[None, :], mask=(groups < K // 32)[:, None] & n_ok, other=0)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    weight = _weight_tile(words, pairs, one, BLOCK_K, BLOCK_N)
+    tl.store(
+        out_ptr + rn[None, :] * K + ks[:, None], weight.to(out_ptr.dtype.element_ty), mask=(ks < K)[:, None] & n_ok
+    )
+
+
+def int4_dequantize(words: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W [out, in] in `dtype` from pack_int4's words and scales and zeros ([in / 32, out, 2])."""
+    inputs, outputs = words.shape[0] * 8, words.shape[1]
+    weight = torch.empty(outputs, inputs, device=words.device, dtype=dtype)
+    grid = (triton.cdiv(outputs, 64), triton.cdiv(inputs, 64))
+    _int4_dequantize[grid](words, scales_and_zeros.view(torch.int32), weight, outputs, inputs, FLOAT_ONE, 64, 64)
     return weight
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ W^T for tinygemm's int4 weights (group 32): tinygemm's own kernel for a few rows, the weights
-    dequantized for cuBLAS for more (tinygemm's time grows with the rows: see INT4_KERNEL_ROWS)."""
-    if x.shape[0] > INT4_KERNEL_ROWS:
-        return F.linear(x, tinygemm_dequantize(packed, scales_and_zeros, x.dtype))
-    return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, 32, scales_and_zeros)
+# An opaque operator to torch.compile: traced into, the kernels' workspace and tile counters would be functionalized
+# (copied at every call).
+@torch.library.custom_op("rbee::int4_matmul", mutates_args=())
+def int4_matmul(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ W^T for pack_int4's words and scales and zeros ([in / 32, out, 2] bfloat16)."""
+    rows = x.shape[0]
+    if rows > INT4_DOT_ROWS:
+        return F.linear(x, int4_dequantize(words, scales_and_zeros, x.dtype))
+    if rows == 1:
+        return int4_gemv(x, words, scales_and_zeros)
+    return int4_dot(x, words, scales_and_zeros)
+
+
+@int4_matmul.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], words.shape[1])
+
+
+def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    inputs, outputs = x.shape[1], words.shape[1]
+    y = torch.empty(1, outputs, device=x.device, dtype=x.dtype)
+    splits = triton.cdiv(inputs // 32, GEMV_GROUPS)
+    part = torch.empty(splits * triton.cdiv(outputs, GEMV_BLOCK_N) * GEMV_BLOCK_N, device=x.device, dtype=torch.float32)
+    grid = (1, triton.cdiv(outputs, GEMV_BLOCK_N), splits)
+    _int4_gemv[grid](
+        x.contiguous(), words, scales_and_zeros.view(torch.int32), y, part, _tile_counters(x.device), outputs, inputs,
+        FLOAT_ONE, BLOCK_N=GEMV_BLOCK_N, GROUPS=GEMV_GROUPS, num_warps=2, num_stages=1,
+    )  # fmt: skip
+    return y
+
+
+def int4_dot(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x @ W^T by the tl.dot kernel (int4_matmul runs it from 2 to INT4_DOT_ROWS rows)."""
+    rows, inputs = x.shape
+    outputs = words.shape[1]
+    y = torch.empty(rows, outputs, device=x.device, dtype=x.dtype)
+    # the largest workspace _int4_dot_prune allows: 8 splits of a tile 16 rows high, 2 of one 32 or 64 high
+    part = torch.empty(128 * (outputs + 127), device=x.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(outputs, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    _int4_dot[grid](
+        x.contiguous(), words, scales_and_zeros.view(torch.int32), y, part, _tile_counters(x.device), rows, outputs,
+        inputs, FLOAT_ONE, triton.next_power_of_2(rows),
+    )  # fmt: skip
+    return y

@@ -1,19 +1,13 @@
 """Linear layers whose weights stay 4-bit: GGUF Q4_0 / Q4_1 / Q4_K matrices as stored (or a model quantized at load,
-models/quantize.py), run by PyTorch's int4 weight-only kernels: `aten._weight_int4pack_mm_for_cpu` on the CPU (the one
-torchao's Int4 CPU layout uses) and tinygemm's `aten._weight_int4pack_mm` on CUDA (torchao's tensor-core layout).
+models/quantize.py), run by int4 weight-only kernels: PyTorch's `aten._weight_int4pack_mm_for_cpu` on the CPU (the one
+torchao's Int4 CPU layout uses) and our Triton kernels on CUDA (models/cuda_weight_only.py).
 
 Both dequantize w = (q - 8) * scale + zero per group of 32 inputs on the fly, so a decode step reads half a byte per
-weight instead of two. Their scales and zeros must have the activations' dtype, and only bfloat16 runs fast on the CPU
-(measured here: an MLP matrix of the demo model takes 72 us in bfloat16, 3 ms in float32, 7.8 ms in float16); the CUDA
-kernel takes bfloat16 only. The GGUF scales and zeros (float16, or Q4_K's float32 products of its two levels of
-scales) are therefore rounded to bfloat16 once, a relative change of at most 2^-9 each. The codes themselves are the
-file's.
-
-tinygemm's time grows with the rows: on an H200 it ran the products of a Llama-3.1-8B decode step (q/k/v and gate/up
-merged, as a CUDA graph) in 2.78 ms against 4.06 ms in bfloat16 (cuBLAS) at one row, 5.7 ms at 8 rows, but 34 ms at
-64 and 266 ms at 512 (bfloat16: 4.35 and 12.0). Beyond cuda_weight_only.INT4_KERNEL_ROWS rows the weights are
-therefore dequantized for cuBLAS instead (13.1 ms at 64 rows, 20.3 at 512: a prompt of 512 tokens no longer takes a
-quarter of a second); bench/results/weight_only_kernels_NVIDIA_H200_merged.json.
+weight instead of two. The CPU kernel's scales and zeros must have the activations' dtype, and only bfloat16 runs fast
+there (measured here: an MLP matrix of the demo model takes 72 us in bfloat16, 3 ms in float32, 7.8 ms in float16);
+the CUDA kernels keep them in bfloat16 too. The GGUF scales and zeros (float16, or Q4_K's float32 products of its two
+levels of scales) are therefore rounded to bfloat16 once, a relative change of at most 2^-9 each. The codes themselves
+are the file's.
 """
 
 import torch
@@ -37,11 +31,9 @@ class Int4Linear(torch.nn.Module):
         self.out_features, self.in_features = codes.shape
         self.bias = bias
         if codes.device.type == "cuda":
-            # tinygemm takes two codes per byte, the even input in the high half; inner k-tiles: the largest of its
-            # 2 / 4 / 8 that divides the input size (each tile is 16 inputs).
-            pairs = (codes[:, ::2].to(torch.uint8) << 4) | codes[:, 1::2].to(torch.uint8)
-            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+            from rbee_worker.models.cuda_weight_only import pack_int4  # Triton: not on CPU-only machines
+
+            packed = pack_int4(codes)  # [in // 8, out]
         else:
             # innerKTiles 1: the CPU kernel's only layout.
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -53,17 +45,17 @@ class Int4Linear(torch.nn.Module):
     @classmethod
     def stacked(cls, layers: list["Int4Linear"], bias: torch.Tensor | None) -> "Int4Linear | None":
         """One layer with the layers' output rows one after the other (same inputs), and `bias`, theirs stacked; from
-        their packed weights as they are. Both layouts pack output rows in blocks, tinygemm's of 8 and the CPU
-        kernel's of 64 with AVX-512 (32 without): None where a layer's rows are not whole blocks."""
-        block = 8 if layers[0].packed.device.type == "cuda" else 64
-        if any(layer.out_features % block for layer in layers):
+        their packed weights as they are. The CPU kernel packs output rows in blocks of 64 with AVX-512 (32 without):
+        None there where a layer's rows are not whole blocks. On CUDA the outputs are the words' columns."""
+        on_cuda = layers[0].packed.device.type == "cuda"
+        if not on_cuda and any(layer.out_features % 64 for layer in layers):
             return None
         merged = cls.__new__(cls)
         torch.nn.Module.__init__(merged)
         merged.out_features = sum(layer.out_features for layer in layers)
         merged.in_features = layers[0].in_features
         merged.bias = bias
-        merged.register_buffer("packed", torch.cat([layer.packed for layer in layers]))
+        merged.register_buffer("packed", torch.cat([layer.packed for layer in layers], dim=1 if on_cuda else 0))
         merged.register_buffer("scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], dim=1))
         return merged
 

@@ -34,7 +34,7 @@ def int4_affine(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def quantized_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether Int4Linear and Int8Linear run here: bfloat16 activations, on the CPU or on a CUDA GPU of compute
-    capability 8.0+ (tinygemm uses Ampere's tensor-core instructions) with Triton (the int8 kernels)."""
+    capability 8.0+ (bfloat16 tensor-core instructions) with Triton (the int8 and int4 kernels)."""
     if dtype != torch.bfloat16:
         return False
     if device.type == "cuda":
