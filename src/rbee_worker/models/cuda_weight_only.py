@@ -126,7 +126,8 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes [out, in] (0..15, in a multiple of 32) -> words [in / 8, out] int32, code j of word w = input 8w + j."""
     outputs, inputs = codes.shape
-    if triton.cdiv(outputs, 32) * triton.cdiv(INT4_DOT_ROWS, 16) > _tile_counters(codes.device).numel():
+    # split-K runs over one row tile (_int4_dot_prune), so at most one counter per 32 outputs
+    if triton.cdiv(outputs, 32) > _tile_counters(codes.device).numel():
         raise ValueError(f"{outputs} outputs: more output tiles than the int4 kernels have counters")
     by_word = codes.T.reshape(inputs // 8, 8, outputs)
     words = torch.zeros(inputs // 8, outputs, device=codes.device, dtype=torch.int64)
@@ -316,6 +317,7 @@ def _(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> t
 
 
 def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [1, in] @ W^T by the GEMV kernel."""
     inputs, outputs = x.shape[1], words.shape[1]
     y = torch.empty(1, outputs, device=x.device, dtype=x.dtype)
     splits = triton.cdiv(inputs // 32, GEMV_GROUPS)
