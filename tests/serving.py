@@ -25,7 +25,8 @@ DEMO_NAME = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = "Once upon a time, in a small village by the sea,"
 # A chat-formatted question the demo model answers in a few tokens and then ends its turn (EOS), greedily.
 EOS_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
-LONG = 2048  # max_tokens of a job that is still running when the test cancels it (about a minute of decoding here)
+# max_tokens of a job still running when the test cancels it: greedy (sampled, it may end early), about a minute here
+LONG = 2048
 
 
 # --- the worker process -----------------------------------------------------------------------------------------------

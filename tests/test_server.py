@@ -98,7 +98,9 @@ def assert_serves_normally(client: httpx.Client) -> None:
 def start_long_job(client: httpx.Client, stack: list[httpx.Response], job_id: str) -> httpx.Response:
     """Open /execute for a job that runs far longer than any test; the caller cancels it."""
     response = client.send(
-        client.build_request("POST", "/execute", json={"job_id": job_id, "prompt": PROMPT, "max_tokens": LONG}),
+        client.build_request(
+            "POST", "/execute", json={"job_id": job_id, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
+        ),
         stream=True,
     )
     stack.append(response)
@@ -306,7 +308,9 @@ def test_job_api_unknown_job_is_404(client: httpx.Client) -> None:
 
 def test_second_reader_409_and_delete_cancels(client: httpx.Client, open_responses: list[httpx.Response]) -> None:
     job_id = "job-" + uuid.uuid4().hex
-    created = client.post("/v1/inference", json={"job_id": job_id, "prompt": PROMPT, "max_tokens": LONG})
+    created = client.post(
+        "/v1/inference", json={"job_id": job_id, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
+    )
     assert created.status_code == 200
     reader = client.send(client.build_request("GET", created.json()["sse_url"]), stream=True)
     open_responses.append(reader)
@@ -450,7 +454,7 @@ def test_ready_callback_retried_then_heartbeats(tmp_path: Path, manager_factory:
             )
             # A running job shows in the beats as busy.
             with http.stream(
-                "POST", "/execute", json={"job_id": "hb", "prompt": PROMPT, "max_tokens": LONG}
+                "POST", "/execute", json={"job_id": "hb", "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
             ) as response:
                 events = sse_events(response)
                 started = next(events)[1]
