@@ -46,10 +46,11 @@ def plain_bytes(demo_hf_dir: Path) -> int:
 def test_quantized_directory_runs_close_to_float32(
     demo_hf_dir: Path, reference: torch.nn.Module, plain_bytes: int, mode: str, tolerance: float
 ) -> None:
-    """All 210 matrices of the 30 decoder layers are quantized, the embedding and LM head stay bfloat16; the weights
-    shrink, and last-position logits stay within `tolerance` of the largest float32 logit. Measured: int8 2.6 to 3.7%,
-    int4 1.6 to 1.8% (the plain bfloat16 model's own error is 1.0 to 2.0%, test_int4.py): a row's one int8 scale is
-    set by its largest weight, and this model's rows have outliers that a group of 32 with its own range avoids."""
+    """All 210 matrices of the 30 decoder layers are quantized, the embedding and the LM head tied to it stay
+    bfloat16; the weights shrink, and last-position logits stay within `tolerance` of the largest float32 logit.
+    Measured: int8 2.6 to 3.7%, int4 1.6 to 1.8% (the plain bfloat16 model's own error is 1.0 to 2.0%, test_int4.py):
+    a row's one int8 scale is set by its largest weight, and this model's rows have outliers that a group of 32 with
+    its own range avoids."""
     loaded = load_model(str(demo_hf_dir), Placement(CPU, torch.bfloat16), quantize=mode)
     model = loaded.model
     assert sum(isinstance(m, LAYER_TYPES[mode]) for m in model.modules()) == 30 * 7
@@ -66,6 +67,21 @@ def test_quantized_directory_runs_close_to_float32(
         error = (got - expected).abs().max() / expected.abs().max()
         print(f"{mode} {prompt!r}: {float(error):.4f}")
         assert error <= tolerance, prompt
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_an_untied_lm_head_is_quantized_to_int8_per_row(tiny_models: dict[str, Path], mode: str) -> None:
+    """A model whose LM head is its own matrix (mistral here) gets an int8 head in both modes, its logits within the
+    quantization's bound of the bfloat16 head's: each weight moves by at most 1/254 of its row's largest."""
+    plain = load_model(str(tiny_models["mistral"]), Placement(CPU, torch.bfloat16)).model
+    loaded = load_model(str(tiny_models["mistral"]), Placement(CPU, torch.bfloat16), quantize=mode)
+    head = loaded.model.lm_head
+    assert type(head) is Int8Linear and head.codes.dtype == torch.int8
+    hidden = torch.randn(3, plain.config.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected, got = plain.lm_head(hidden).float(), head(hidden).float()
+    bound = (hidden.float().abs().sum(-1, keepdim=True) * plain.lm_head.weight.float().abs().amax(-1) / 254).max()
+    assert 0 < (got - expected).abs().max() <= bound * 1.05 + 0.02 * expected.abs().max()
 
 
 def test_quantized_directory_generates_through_the_cli(demo_hf_dir: Path) -> None:

@@ -27,6 +27,10 @@ def compile_model(model: torch.nn.Module, cache: SlotCache) -> None:
         model.compile(dynamic=True)
         return
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    # A layer's frames compile once per class of shapes (one row or several, one token or several, sizes multiples of
+    # 8 or not, ...): 9 classes for the attention frame of an 8B model already passed the default limit of 8, after
+    # which dynamo runs a frame uncompiled for any class it has not seen.
+    torch._dynamo.config.recompile_limit = 64
     cache.update = torch.compiler.disable(cache.update)
     for layer in model.get_decoder().layers:
         layer.compile(dynamic=True)

@@ -504,12 +504,16 @@ class Engine:
             self._prefill_graphs.warm_up()
         if self._compile:
             # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
-            # of two lengths (it took the first length it met for a constant).
+            # of two lengths (it took the first length it met for a constant); on a GPU, where first chunks run as
+            # graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's kernels guard on
+            # that alignment: 17-token prompts batched together recompiled for seconds after ready).
             for count in (1, 16, 24):
                 self._prompt_forward([0], [([0] * count, 0)])
-            self._prompt_forward([0], [([0] * 48, 16)])
+            for count in (48, 17):
+                self._prompt_forward([0], [([0] * count, 16)])
             if self._cache.slots > 1:
-                self._prompt_forward([0, 1], [([0] * 16, 0), ([0] * 8, 0)])
+                for long, short in ((16, 8), (17, 9)):
+                    self._prompt_forward([0, 1], [([0] * long, 0), ([0] * short, 0)])
             if not graphs:
                 for rows in range(1, min(self._cache.slots, 2) + 1):
                     self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)

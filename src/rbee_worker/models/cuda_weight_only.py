@@ -27,6 +27,8 @@ word's 8 codes are consecutive inputs; scales and zeros [in / 32, out, 2] bfloat
   (`_weight_int4pack_mm`, what ran here before) takes 2.89 and bfloat16 3.99; 3.5 to 3.6 ms from 2 to 16 rows
   (tinygemm 2.9 / 3.6 / 5.7 / 9.0 at 2 / 4 / 8 / 16); 4.9 / 5.4 / 8.9 ms at 32 / 64 / 128 (before: tinygemm's
   weights dequantized for cuBLAS, 12.4 / 12.5 / 12.9). Dequantizing the step's weights takes 5.9 ms (8.4 before).
+  Then the last program's sum of the partials unrolled (_finish_split) and the GEMV's 32 x 16 tile: at one row, with
+  the LM head in bfloat16, 2.17 ms against 2.37 in the same run (bench/results/stop16/int4_gemv_variants_*.json).
 - Dropped on the way (the same step at one row, against tinygemm's 2.8 ms): GEMVs on byte layouts and on row-major
   int32 words, 3.5 to 5.2 ms; on K-major words with int-to-float conversions, 2.75 ms, and as a pipelined loop, or
   with each program's tile stored contiguously, no faster; `tl.dot` kernels reading tinygemm's blocks, 66 to 96 ms;
@@ -43,9 +45,10 @@ import triton.language as tl
 # The int4 tl.dot kernel up to this many rows, the weights dequantized for cuBLAS beyond: the products of an 8B decode
 # step on an H200 took 8.9 against 10.8 ms at 128 rows, 33.7 against 17.1 at 512 (bench/weight_only_kernels.py).
 INT4_DOT_ROWS = 128
-# The int4 GEMV's tile, BLOCK_N outputs x GROUPS groups of 32 inputs with 2 warps: the fastest of 12 tiles for every
-# shape of the 8B step on an H200 (64 to 512 outputs, 2 to 8 groups, 2 to 8 warps).
-GEMV_BLOCK_N, GEMV_GROUPS = 64, 8
+# The int4 GEMV's tile, BLOCK_N outputs x GROUPS groups of 32 inputs with 2 warps: of 7 tiles (32 to 128 outputs, 4 to
+# 16 groups) the fastest for the products of the 8B step on an H200, 2.17 ms against 2.21 to 2.61 (64 x 8, the
+# fastest of 12 when each last program summed the partials in a loop, was next).
+GEMV_BLOCK_N, GEMV_GROUPS = 32, 16
 FLOAT_ONE = 0x3F800000  # the bits of float32 1.0
 
 
@@ -82,11 +85,13 @@ def _int8_gemv(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K:
     tl.store(y_ptr + rows, (tl.sum(acc, axis=1) * scale).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.autotune(configs=_gemm_configs(), key=["M", "N", "K"])
+# Tuned per power of two of the rows (M_BUCKET), not per row count: a prompt's LM head runs at any count of rows.
+@triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"])
 @triton.jit
 def _int8_gemm(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -112,7 +117,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
         _int8_gemv[lambda meta: (triton.cdiv(outputs, meta["BLOCK_N"]),)](x, codes, scale, y, outputs, inputs)
     else:
         grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(outputs, meta["BLOCK_N"]))  # noqa: E731
-        _int8_gemm[grid](x, codes, scale, y, rows, outputs, inputs)
+        _int8_gemm[grid](x, codes, scale, y, rows, outputs, inputs, triton.next_power_of_2(rows))
     return y
 
 
@@ -157,20 +162,21 @@ def _weight_tile(words, pairs, one, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, offsets, mask, TILE: tl.constexpr):
+def _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, offsets, mask, TILE: tl.constexpr, SPLITS: tl.constexpr):
     """Add this program's partial `acc` (float32, TILE elements at `offsets` of y) into y: the last of the output
-    tile's tl.num_programs(2) programs to arrive adds every partial up in order and stores y."""
-    split = tl.num_programs(2)
-    if split == 1:
+    tile's SPLITS programs (tl.num_programs(2)) to arrive adds every partial up in order and stores y. The sum is
+    unrolled so that all the partials' loads are in flight at once: as a loop over a runtime count, each load waited
+    for the one before, one L2 round trip per split on the kernel's critical path."""
+    if SPLITS == 1:
         tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tiles = tl.num_programs(0) * tl.num_programs(1)
         element = tl.arange(0, TILE)
         tl.store(part_ptr + (tl.program_id(2) * tiles + tile) * TILE + element, tl.reshape(acc, (TILE,)))
         tl.debug_barrier()  # every thread's partial is written before the count goes up
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1:
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             total = tl.zeros((TILE,), dtype=tl.float32)
-            for i in range(split):
+            for i in tl.static_range(SPLITS):
                 total += tl.load(part_ptr + (i * tiles + tile) * TILE + element, cache_modifier=".cg")
             tl.store(y_ptr + offsets, tl.reshape(total, acc.shape).to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
@@ -191,9 +197,10 @@ def _eight(t):
 
 @triton.jit
 def _int4_gemv(
-    x_ptr, w_ptr, sz_ptr, y_ptr, part_ptr, count_ptr, N, K, one, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr
+    x_ptr, w_ptr, sz_ptr, y_ptr, part_ptr, count_ptr, N, K, one,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """One row: BLOCK_N outputs x GROUPS groups of 32 inputs per program."""
+    """One row: BLOCK_N outputs x GROUPS groups of 32 inputs per program, SPLITS programs along the inputs."""
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     groups = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
@@ -220,7 +227,7 @@ def _int4_gemv(
     # the sum of q x is 256 (even - x_even) + 16 (odd - x_odd), and w = (q - 8) s + z
     offset = (256.0 * x_even + 16.0 * (x_all - x_even) + 8.0 * x_all)[:, None]
     acc = tl.sum(scale * (256.0 * even + 16.0 * odd - offset) + zero * x_all[:, None], axis=0)
-    _finish_split(acc, part_ptr, count_ptr, y_ptr, tl.program_id(1), rn, n_ok, BLOCK_N)
+    _finish_split(acc, part_ptr, count_ptr, y_ptr, tl.program_id(1), rn, n_ok, BLOCK_N, SPLITS)
 
 
 def _int4_dot_configs() -> list[triton.Config]:
@@ -270,7 +277,8 @@ def _int4_dot(
         acc += tl.dot(x, _weight_tile(words, pairs, one, BLOCK_K, BLOCK_N).to(x.dtype))
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     mask = (rm < M)[:, None] & n_ok
-    _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, rm[:, None] * N + rn[None, :], mask, BLOCK_M * BLOCK_N)
+    offsets = rm[:, None] * N + rn[None, :]
+    _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, offsets, mask, BLOCK_M * BLOCK_N, SPLIT_K)
 
 
 @triton.jit
@@ -325,7 +333,7 @@ def int4_gemv(x: torch.Tensor, words: torch.Tensor, scales_and_zeros: torch.Tens
     grid = (1, triton.cdiv(outputs, GEMV_BLOCK_N), splits)
     _int4_gemv[grid](
         x.contiguous(), words, scales_and_zeros.view(torch.int32), y, part, _tile_counters(x.device), outputs, inputs,
-        FLOAT_ONE, BLOCK_N=GEMV_BLOCK_N, GROUPS=GEMV_GROUPS, num_warps=2, num_stages=1,
+        FLOAT_ONE, BLOCK_N=GEMV_BLOCK_N, GROUPS=GEMV_GROUPS, SPLITS=splits, num_warps=2, num_stages=1,
     )  # fmt: skip
     return y
 
