@@ -12,7 +12,7 @@ from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
-from rbee_worker.models.quantize import int4_affine
+from rbee_worker.models.quantize import int4_affine, quantize_head
 
 CPU = torch.device("cpu")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
@@ -70,17 +70,22 @@ def test_quantized_directory_runs_close_to_float32(
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_an_untied_lm_head_is_quantized_to_int8_per_row(tiny_models: dict[str, Path], mode: str) -> None:
-    """A model whose LM head is its own matrix (mistral here) gets an int8 head in both modes, its logits within the
-    quantization's bound of the bfloat16 head's: each weight moves by at most 1/254 of its row's largest."""
-    plain = load_model(str(tiny_models["mistral"]), Placement(CPU, torch.bfloat16)).model
+def test_an_untied_lm_head_is_quantized_to_int8_per_row_on_cuda_only(tiny_models: dict[str, Path], mode: str) -> None:
+    """A model whose LM head is its own matrix (mistral here): loaded on the CPU, its head stays bfloat16 (PyTorch's
+    int8 kernel is slower there at several rows); what quantize_linears does to it on CUDA (test_cuda.py checks that
+    it does) gives an int8 head whose logits stay within the quantization's bound of the bfloat16 head's: each
+    weight moves by at most 1/254 of its row's largest."""
     loaded = load_model(str(tiny_models["mistral"]), Placement(CPU, torch.bfloat16), quantize=mode)
-    head = loaded.model.lm_head
-    assert type(head) is Int8Linear and head.codes.dtype == torch.int8
+    assert type(loaded.model.lm_head) is torch.nn.Linear
+    plain = load_model(str(tiny_models["mistral"]), Placement(CPU, torch.bfloat16)).model
+    head = plain.lm_head
+    quantize_head(plain)
+    quantized = plain.lm_head
+    assert type(quantized) is Int8Linear and quantized.codes.dtype == torch.int8
     hidden = torch.randn(3, plain.config.hidden_size, dtype=torch.bfloat16)
     with torch.inference_mode():
-        expected, got = plain.lm_head(hidden).float(), head(hidden).float()
-    bound = (hidden.float().abs().sum(-1, keepdim=True) * plain.lm_head.weight.float().abs().amax(-1) / 254).max()
+        expected, got = head(hidden).float(), quantized(hidden).float()
+    bound = (hidden.float().abs().sum(-1, keepdim=True) * head.weight.float().abs().amax(-1) / 254).max()
     assert 0 < (got - expected).abs().max() <= bound * 1.05 + 0.02 * expected.abs().max()
 
 

@@ -8,11 +8,12 @@ to 3.7% of the largest off float32, int4 1.6 to 1.8%: tests/test_quantize.py): a
 weight. int4: per group of 32 inputs, the range [min, max] in 16 steps (asymmetric: scale (max - min) / 15, code
 round((w - min) / scale)), the layout of GGUF's Q4_1 and the group size of Q4_0 / Q4_1.
 
-The token embedding stays in the model's dtype (a lookup reads one row a token). An LM head of its own becomes int8
-per row in both modes, as llama.cpp's 4-bit files keep it wider than their layers (Q6_K): it is read whole every step,
-and in bfloat16 it took 250 of the 3.2 ms of an 8B int4 decode step on an H200, against about 130 in int8 (each
-weight moves by at most 1/254 of its row's largest). A head tied to the embedding stays as it is: quantizing it would
-store the matrix a second time.
+The token embedding stays in the model's dtype (a lookup reads one row a token). On CUDA an LM head of its own
+becomes int8 per row in both modes, as llama.cpp's 4-bit files keep it wider than their layers (Q6_K): it is read
+whole every step, and in bfloat16 it took 250 of the 3.2 ms of an 8B int4 decode step on an H200 (per kernel on an
+H100: 376 us bfloat16, 180 us int8); each weight moves by at most 1/254 of its row's largest. On the CPU it stays, as
+PyTorch's int8 kernel is compute-bound there: about as fast as the oneDNN-packed bfloat16 head at one row, 3x slower
+at 16 (int8_linear.py). A head tied to the embedding stays too: quantizing it would store the matrix a second time.
 """
 
 import importlib.util
@@ -48,8 +49,8 @@ def quantized_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def quantize_linears(model: torch.nn.Module, mode: str) -> None:
     """Swap each nn.Linear of the model's decoder layers for its int8 / int4 version, on the layer's own device (a
-    matrix whose inputs do not split into groups of 32 stays as it is under int4), and an untied LM head for its int8
-    version."""
+    matrix whose inputs do not split into groups of 32 stays as it is under int4), and on CUDA an untied LM head for
+    its int8 version."""
 
     def quantized(linear: torch.nn.Linear) -> torch.nn.Module | None:
         if mode == "int8":
@@ -61,6 +62,12 @@ def quantize_linears(model: torch.nn.Module, mode: str) -> None:
         )
 
     replace_linears(model.get_decoder().layers, quantized)
+    if model.get_output_embeddings().weight.device.type == "cuda":
+        quantize_head(model)
+
+
+def quantize_head(model: torch.nn.Module) -> None:
+    """The LM head as int8 per row, unless it is tied to the token embedding."""
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight:
         model.set_output_embeddings(int8_linear(head))
