@@ -25,7 +25,7 @@ CHECKS = textwrap.dedent(
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}),
     ]
     torch.manual_seed(0)
-    inputs = 576  # 18 groups: not a whole number of the GEMV's 8 groups or the tl.dot kernel's 64 or 128 inputs
+    inputs = 576  # 18 groups: not whole GEMV programs (16 groups) or tl.dot k-blocks (64 or 128 inputs)
     for outputs in (200, 384):  # 200: not a whole number of output tiles
         codes = torch.randint(0, 16, (outputs, inputs), dtype=torch.int32)
         scales = torch.rand(inputs // 32, outputs) * 0.01 + 1e-3

@@ -264,7 +264,7 @@ def _int4_dot(
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (rn < N)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(2)) * BLOCK_K
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     for k0 in range(tl.program_id(2) * per_split, tl.minimum(K, (tl.program_id(2) + 1) * per_split), BLOCK_K):
         word_rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(
