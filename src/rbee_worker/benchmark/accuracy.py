@@ -51,9 +51,13 @@ def torch_logits(model: torch.nn.Module) -> Logits:
 
 
 def llama_cpp_logits(path: Path, threads: int) -> Logits:
-    from llama_cpp import Llama
+    from rbee_worker.benchmark.llama_cpp import open_llama
 
-    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False)
+    # ggml's plain CPU kernels: llama.cpp's reference on every machine, and the only ones that run batches where it
+    # would use AMX (see llama_cpp.py).
+    llm = open_llama(
+        str(path), plain_buffers=True, n_ctx=2048, n_threads=threads, logits_all=True, verbose=False
+    )
 
     def run(ids: list[int]) -> np.ndarray:
         if llm.input_ids[: llm.n_tokens].tolist() != ids[: llm.n_tokens] or len(ids) <= llm.n_tokens:

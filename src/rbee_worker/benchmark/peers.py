@@ -8,7 +8,8 @@ engine.py), printing one JSON object of results on its last stdout line.
   time to first token and decode tokens/s; and one bare forward over the long prompt (the TTFT floor).
 - transformers-static: the same with `cache_implementation="static"` (transformers then compiles the forward).
 - transformers-cb: transformers' continuous batching (`generate_batch`), aggregate tokens/s at each concurrency.
-- llama.cpp: llama-cpp-python on the same GGUF file (an optional extra), batch 1.
+- llama.cpp: llama-cpp-python on the same GGUF file (an optional extra), batch 1; on a CPU with AMX, decode from its
+  AMX buffers and time to first token from its plain ones (benchmark/llama_cpp.py says why).
 """
 
 import argparse
@@ -107,13 +108,18 @@ def run_transformers_cb(args: argparse.Namespace, spec: dict) -> dict:
 
 
 def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
-    from llama_cpp import Llama  # the optional `bench` extra
+    from rbee_worker.benchmark.llama_cpp import has_amx, open_llama
 
     threads = spec.get("threads") or None
-    llm = Llama(model_path=args.model, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    options = {"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
+    # With AMX, llama.cpp decodes fastest from its AMX buffers but crashes there on batches of several tokens (see
+    # benchmark/llama_cpp.py): decode is timed from those, fed the prompt one token at a time (only the tokens after
+    # the first are timed), and time to first token from the plain buffers.
+    amx = has_amx()
+    llm = open_llama(args.model, plain_buffers=False, n_batch=1 if amx else 512, **options)
     eos = llm.token_eos()
 
-    def generate(prompt: list[int], tokens: int) -> tuple[float, float]:
+    def generate(llm: Any, prompt: list[int], tokens: int) -> tuple[float, float]:
         started = time.perf_counter()
         times = []
         for _ in llm.create_completion(prompt, max_tokens=tokens, temperature=0.0, stream=True, logit_bias={eos: -1e9}):
@@ -121,13 +127,17 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
         llm.reset()
         return times[0] - started, (len(times) - 1) / (times[-1] - times[0])
 
-    generate(spec["short_prompt"], spec["gen_tokens"])  # warm-up, as long as a measured run
-    decode = [generate(spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]
-    ttft = [generate(spec["long_prompt"], 2)[0] for _ in range(spec["repeats"])]
+    generate(llm, spec["short_prompt"], spec["gen_tokens"])  # warm-up, as long as a measured run
+    decode = [generate(llm, spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]
+    if amx:
+        llm.close()
+        llm = open_llama(args.model, plain_buffers=True, **options)
+    ttft = [generate(llm, spec["long_prompt"], 2)[0] for _ in range(spec["repeats"])]
     return {
         "decode_tok_s": statistics.median(decode),
         "ttft_s": statistics.median(ttft),
         "runs": {"decode_tok_s": decode, "ttft_s": ttft},
+        "amx": amx,
     }
 
 
