@@ -55,9 +55,7 @@ def llama_cpp_logits(path: Path, threads: int) -> Logits:
 
     # ggml's plain CPU kernels: llama.cpp's reference on every machine, and the only ones that run batches where it
     # would use AMX (see llama_cpp.py).
-    llm = open_llama(
-        str(path), plain_buffers=True, n_ctx=2048, n_threads=threads, logits_all=True, verbose=False
-    )
+    llm = open_llama(str(path), plain_buffers=True, n_ctx=2048, n_threads=threads, logits_all=True, verbose=False)
 
     def run(ids: list[int]) -> np.ndarray:
         if llm.input_ids[: llm.n_tokens].tolist() != ids[: llm.n_tokens] or len(ids) <= llm.n_tokens:
