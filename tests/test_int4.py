@@ -15,7 +15,7 @@ from gguf.constants import GGMLQuantizationType
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.dequant import INT4_GROUP, dequantize, int4_groups
-from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.models.int4_linear import CPU_DEQUANTIZE_ROWS, Int4Linear
 from rbee_worker.models.loader import load_model
 
 T = GGMLQuantizationType
@@ -88,6 +88,25 @@ def test_int4_linear_computes_with_the_stored_codes(ggml_type: GGMLQuantizationT
     assert (y - exact).abs().max() <= 2**-6 * exact.abs().max()
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q4_K], ids=lambda t: t.name)
+def test_many_rows_multiply_the_dequantized_matrix(ggml_type: GGMLQuantizationType) -> None:
+    """From CPU_DEQUANTIZE_ROWS rows the layer multiplies its matrix dequantized to bfloat16, unpacked from PyTorch's
+    CPU layout: each weight is exactly the bfloat16 rounding of (q - 8) * scale + zero (so every output is where it
+    belongs), and the product stays within bfloat16 rounding of the int4 kernel's (which runs below that count)."""
+    raw, shape = quantized(ggml_type, rows=192, cols=512)  # 3 of PyTorch's blocks of 64 outputs
+    codes, scales, zeros = int4_groups(raw, ggml_type, shape)
+    layer = Int4Linear(codes, scales, zeros, None)
+    assert torch.equal(
+        layer.dequantized(), weight_of(codes, scales.bfloat16().float(), zeros.bfloat16().float()).bfloat16()
+    )
+    x = torch.randn(CPU_DEQUANTIZE_ROWS, shape[1], dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, INT4_GROUP, layer.scales_and_zeros)
+    assert torch.equal(layer(x[:-1]), kernel[:-1])
+    many = layer(x)
+    assert torch.equal(many, torch.nn.functional.linear(x, layer.dequantized()))
+    assert (many.float() - kernel.float()).abs().max() <= 2**-7 * kernel.float().abs().max()
+
+
 @pytest.fixture(scope="module")
 def int4_demo(demo_gguf: Path):
     return load_model(str(demo_gguf), Placement(CPU, torch.bfloat16), quantize="int4")
@@ -117,6 +136,22 @@ def test_demo_logits_stay_close_to_float32(int4_demo, demo_gguf: Path) -> None:
             expected = reference(ids).logits[0, -1]
             got = int4_demo.model(ids).logits[0, -1].float()
         assert (got - expected).abs().max() <= 0.04 * expected.abs().max(), prompt
+
+
+def test_a_long_prompt_gives_the_logits_of_its_chunks(int4_demo) -> None:
+    """A prompt of CPU_DEQUANTIZE_ROWS tokens or more runs its products on the dequantized matrices; its last logits
+    match those of the same prompt fed in chunks below that count (the int4 kernel), within 2% of the largest logit."""
+    ids = torch.tensor([(int4_demo.tokenizer(" ".join(PROMPTS))["input_ids"] * 40)[:300]])
+    model = int4_demo.model
+    with torch.inference_mode():
+        whole = model(ids).logits[0, -1].float()
+        cache = None
+        for start in range(0, 300, 100):
+            output = model(ids[:, start : start + 100], past_key_values=cache, use_cache=True)
+            cache = output.past_key_values
+        chunked = output.logits[0, -1].float()
+    assert (whole - chunked).abs().max() <= 0.02 * chunked.abs().max()
+    assert int(whole.argmax()) == int(chunked.argmax())
 
 
 def test_generate_with_int4_through_the_cli() -> None:
