@@ -14,8 +14,8 @@ from gguf.constants import GGMLQuantizationType
 
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.dequant import INT4_GROUP, dequantize, int4_groups
-from rbee_worker.models.int4_linear import CPU_DEQUANTIZE_ROWS, Int4Linear
+from rbee_worker.models.dequant import CPU_DEQUANTIZE_ROWS, INT4_GROUP, dequantize, int4_groups
+from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.loader import load_model
 
 T = GGMLQuantizationType

@@ -16,7 +16,7 @@ from test_int4 import PROMPTS, quantized
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.models.dequant import dequantize, int8_groups, int8_rows
+from rbee_worker.models.dequant import CPU_DEQUANTIZE_ROWS, dequantize, int8_groups, int8_rows
 from rbee_worker.models.gguf_model import quantized_embedding
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Embedding, Int8Linear
@@ -99,6 +99,21 @@ def test_int8_linear_computes_with_the_requantized_matrix(ggml_type: GGMLQuantiz
         assert (y - expected).abs().max() <= rounding
         requantization = xs.abs().sum(-1, keepdim=True) * scales.float() / 2
         assert ((y - (xs @ exact_w.T + b)).abs() <= requantization + rounding).all()
+
+
+def test_many_rows_multiply_the_dequantized_matrix() -> None:
+    """From CPU_DEQUANTIZE_ROWS rows the layer multiplies its matrix dequantized to bfloat16 (each weight the rounding
+    of codes * scale); below, the int8 kernel; the two products agree within bfloat16 rounding."""
+    raw, shape = stored(T.Q8_0)
+    codes, scales = int8_rows(raw, T.Q8_0, shape, torch.bfloat16)
+    layer = Int8Linear(codes, scales, None)
+    assert torch.equal(layer.dequantized(), (codes.float() * scales.float().unsqueeze(1)).bfloat16())
+    x = torch.randn(CPU_DEQUANTIZE_ROWS, shape[1], dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+    assert torch.equal(layer(x[:-1]), kernel[:-1])
+    many = layer(x)
+    assert torch.equal(many, torch.nn.functional.linear(x, layer.dequantized()))
+    assert (many.float() - kernel.float()).abs().max() <= 2**-7 * kernel.float().abs().max()
 
 
 IDS = torch.tensor([[0, 5, 23, 5], [2, 3, 1, 0]])

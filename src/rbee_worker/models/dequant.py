@@ -203,6 +203,17 @@ def int4_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tu
 INT8_TYPES = frozenset({_T.Q8_0, _T.Q5_K, _T.Q6_K})
 INT8_GROUP = 32
 
+# From this many activation rows (a long prompt), PyTorch's CPU int4 and int8 weight-only kernels are slower than
+# oneDNN's bfloat16 product (AMX where the CPU has it) on the matrix dequantized for the call: Int4Linear and Int8Linear
+# then dequantize (their docstrings give the measurements).
+CPU_DEQUANTIZE_ROWS = 256
+
+
+def cpu_product_dequantizes(rows: int) -> bool:
+    """Whether a CPU int4 / int8 product over `rows` rows dequantizes its matrix. Never while torch.compile traces:
+    the comparison would split the compiled forward into two classes of shapes."""
+    return rows >= CPU_DEQUANTIZE_ROWS and not torch.compiler.is_compiling()
+
 
 def int8_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 matrix as it is stored, without dequantizing: codes (rows, cols) int8 and per group of 32 along a row

@@ -10,21 +10,21 @@ levels of scales) are therefore rounded to bfloat16 once, a relative change of a
 are the file's.
 
 Many rows at once (a long prompt) run faster another way on the CPU: PyTorch's int4 kernel multiplies without AMX or
-any blocking over the rows, so from CPU_DEQUANTIZE_ROWS rows the matrix is dequantized to bfloat16 (in float32, then
-rounded once per weight, as the CUDA path does above its own threshold) for oneDNN's product, which uses AMX where the
-CPU has it. Measured on 2 cores of a Xeon with AMX, eager: 576 x 3072 at 512 rows 10.8 ms by the int4 kernel, 3.8 ms
-dequantized (2.8 of them dequantizing); 1536 x 576 5.5 against 1.8 ms; at 128 rows both ways were even.
+any blocking over the rows, so from dequant.CPU_DEQUANTIZE_ROWS rows the matrix is dequantized to bfloat16 (in
+float32, then rounded once per weight, as the CUDA path does above its own threshold) for oneDNN's product, which uses
+AMX where the CPU has it. Measured on 2 cores of a Xeon with AMX, eager: 576 x 3072 at 512 rows 10.8 ms by the int4
+kernel, 3.8 ms dequantized (2.8 of them dequantizing); 1536 x 576 5.5 against 1.8 ms; at 128 rows both ways were
+even.
 """
 
 import functools
 
 import torch
 
-from rbee_worker.models.dequant import INT4_GROUP
+from rbee_worker.models.dequant import INT4_GROUP, cpu_product_dequantizes
 
 # Half a byte of code plus a bfloat16 scale and zero per group of 32.
 INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / INT4_GROUP
-CPU_DEQUANTIZE_ROWS = 256
 
 
 class Int4Linear(torch.nn.Module):
@@ -74,11 +74,7 @@ class Int4Linear(torch.nn.Module):
             from rbee_worker.models.cuda_weight_only import int4_matmul  # Triton: not on CPU-only machines
 
             y = int4_matmul(rows, self.packed, self.scales_and_zeros)
-        elif (
-            rows.shape[0] >= CPU_DEQUANTIZE_ROWS
-            and cpu_pack_block() is not None
-            and not torch.compiler.is_compiling()  # compiled, the row count would become a class of shapes
-        ):
+        elif cpu_product_dequantizes(rows.shape[0]) and cpu_pack_block() is not None:
             y = torch.nn.functional.linear(rows, self.dequantized())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
