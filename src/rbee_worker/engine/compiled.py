@@ -11,7 +11,8 @@ forward once before ready). What is compiled depends on the device, as measured:
   inputs), and the KV cache's `update` indexes a Python list with it, so it runs uncompiled (its two index writes are
   two kernels either way): a graph break between the projections and the attention, which costs nothing inside a
   graph replay.
-- CPU: the whole model. Outside CUDA graphs every compiled frame evaluates its guards at each call, and the graph
+- CPU: the whole model, for decode steps only (prompt forwards run it eagerly: Engine._eager_prompts says why).
+  Outside CUDA graphs every compiled frame evaluates its guards at each call, and the graph
   breaks would stop inductor from fusing across them: the demo model's int4 decode ran at 44 tok/s with the layers
   compiled, 76 with the whole model, 58 uncompiled (2 cores, through HTTP). Its guards skip the model's modules
   (`skip_guard_on_all_nn_modules_unsafe`: nothing changes a module once loaded; the inputs' shapes are still

@@ -492,8 +492,8 @@ class Engine:
 
     def _warm_up(self, graphs: bool) -> None:
         """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN and the first-chunk prefill graphs. Compiled
-        layers also run the forwards that stay eager once (prompt chunks of one and two rows, of different lengths,
-        and without graphs decode steps of one and two rows), so that they are compiled for any shape before the
+        layers also run the forwards that stay eager once (on a GPU prompt chunks of one and two rows, of different
+        lengths; without graphs decode steps of one and two rows), so that they are compiled for any shape before the
         first request (tests/test_compile.py fails any compilation after ready)."""
         if graphs:
             self._graphs = DecodeGraphs(self._model, self._cache, self._cache_kwarg, self._dtype)
@@ -502,7 +502,7 @@ class Engine:
                 self._model, self._cache, self._cache_kwarg, self._dtype, self.prefill_chunk, self._graphs.pool
             )
             self._prefill_graphs.warm_up()
-        if self._compile:
+        if self._compile and not self._eager_prompts:
             # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
             # of two lengths (it took the first length it met for a constant); on a GPU, where first chunks run as
             # graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's kernels guard on
@@ -514,9 +514,9 @@ class Engine:
             if self._cache.slots > 1:
                 for long, short in ((16, 8), (17, 9)):
                     self._prompt_forward([0, 1], [([0] * long, 0), ([0] * short, 0)])
-            if not graphs:
-                for rows in range(1, min(self._cache.slots, 2) + 1):
-                    self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
+        if self._compile and not graphs:
+            for rows in range(1, min(self._cache.slots, 2) + 1):
+                self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
         if self._model.device.type == "cuda":
             torch.cuda.synchronize(self._model.device)
 
@@ -596,7 +596,17 @@ class Engine:
         self._cache.prepare_slots(slots, position_ids, kv_len)
         starts, counts = [start for _, start in pieces], [len(ids) for ids, _ in pieces]
         mask = prefill_mask(starts, counts, kv_len, self._dtype, device)
-        return self._forward(torch.tensor(tokens, device=device), position_ids, mask)
+        with torch.compiler.set_stance("force_eager") if self._eager_prompts else contextlib.nullcontext():
+            return self._forward(torch.tensor(tokens, device=device), position_ids, mask)
+
+    @property
+    def _eager_prompts(self) -> bool:
+        """Whether prompt forwards skip the compiled forward: on a CPU. There only decode steps are compiled. A prompt
+        forward holds enough tokens that the Python around its kernels costs little; a long one runs faster eagerly,
+        where its int4 / int8 products dequantize their matrices for oneDNN (dequant.cpu_product_dequantizes), which
+        compiled they cannot; and every class of prompt shapes would take another whole-model compilation at start-up
+        (12 to 63 s each on 2 cores, for 4 of the 6 classes)."""
+        return self._compile and self._model.device.type == "cpu"
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         """One token for each sequence: one batched forward (a forward each in deterministic mode)."""
