@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -274,7 +275,9 @@ def main(args: argparse.Namespace) -> int:
         if "ratio" in key or key.endswith("bare_forward"):
             print(f"{key}: {value:.2f}")
     print(f"rbee-worker start-up (to healthy): {worker['startup_s']:.1f} s")
-    name = (result["machine"].get("gpu") or result["machine"]["cpu"]).replace(" ", "_")
+    # "Intel(R) Xeon(R) Processor" -> "Intel_Xeon_Processor": a file name without shell-special characters
+    machine_name = result["machine"].get("gpu") or result["machine"]["cpu"]
+    name = "_".join(re.sub(r"\(R\)|\(TM\)|[^\w.-]", " ", machine_name).split())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     flags = "".join(f"_{flag.lstrip('-').replace('=', '_')}" for flag in args.worker_flag)
