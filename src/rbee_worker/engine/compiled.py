@@ -12,9 +12,9 @@ forward once before ready). What is compiled depends on the device, as measured:
   two kernels either way): a graph break between the projections and the attention, which costs nothing inside a
   graph replay.
 - CPU: the whole model, for decode steps only (prompt forwards run it eagerly: Engine._eager_prompts says why).
-  Outside CUDA graphs every compiled frame evaluates its guards at each call, and the graph
-  breaks would stop inductor from fusing across them: the demo model's int4 decode ran at 44 tok/s with the layers
-  compiled, 76 with the whole model, 58 uncompiled (2 cores, through HTTP). Its guards skip the model's modules
+  Outside CUDA graphs every compiled frame evaluates its guards at each call, and the graph breaks would stop
+  inductor from fusing across them: the demo model's int4 decode ran at 44 tok/s with the layers compiled, 76 with
+  the whole model, 58 uncompiled (2 cores, through HTTP). Its guards skip the model's modules
   (`skip_guard_on_all_nn_modules_unsafe`: nothing changes a module once loaded; the inputs' shapes are still
   guarded): in the demo model's decode step (2 cores, Xeon with AMX), dynamo's guard checks then took 0.39 instead
   of 1.04 ms (profiled), and the step 10.6 / 10.7 / 11.1 ms against 11.2 / 13.0 / 11.0 (medians of 50 steps, runs in
