@@ -20,6 +20,7 @@ import math
 import shutil
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,22 @@ def test_rope_scaling_changes_the_output(loaded_hf: Callable[[str], LoadedModel]
         for (name, a), (_, b) in zip(plain.state_dict().items(), scaled.state_dict().items(), strict=True):
             assert torch.equal(a, b), f"{case}: {name} differs from llama's"
         assert max_diff(logits(scaled, ids), logits(plain, ids)) > 1e-3, case
+
+
+def test_concurrent_loads_leave_transformers_as_they_found_it(tiny_models: dict[str, Path]) -> None:
+    """Two Engines load at once on their own threads. transformers' from_pretrained swaps process-wide state while it
+    runs (PreTrainedModel.tie_weights, torch's default dtype): loads in parallel once left tying disabled, and the
+    next tied model came without its LM head. Loads in pairs, in two dtypes, must leave both as they were."""
+    tie_weights, dtype = PreTrainedModel.tie_weights, torch.get_default_dtype()
+    placements = [FP32_CPU, Placement(torch.device("cpu"), torch.bfloat16)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for _ in range(6):
+            loads = [pool.submit(load_model, str(tiny_models["mistral"]), p) for p in placements]
+            assert all(load.result().model is not None for load in loads)
+            assert PreTrainedModel.tie_weights is tie_weights
+            assert torch.get_default_dtype() is dtype
+    tied = load_model(str(tiny_models["qwen2"]), FP32_CPU).model
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
 
 
 @pytest.mark.parametrize("trigger_position", [0, 2])

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,11 @@ from rbee_worker.models.quantize import quantized_supported
 
 GGUF_MAGIC = b"GGUF"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# One load at a time per process: transformers' from_pretrained swaps process-wide state while it runs
+# (`PreTrainedModel.tie_weights` by a no-op, torch's default dtype) and puts back what it found, so two loads in
+# parallel threads (two Engines) can leave tying disabled for good: the next model with tied embeddings then loads
+# without its LM head. Seen with transformers 5.24, in 1 to 4 rounds of two concurrent loads.
+_LOADING = threading.Lock()
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -94,12 +100,13 @@ def load_model(
             "drop --quantize"
         )
     try:
-        if path.is_dir():
-            loaded = load_hf_directory(path, placement.device, placement.dtype, progress, quantize)
-        elif gguf:
-            loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantize != "none")
-        else:
-            raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+        with _LOADING:
+            if path.is_dir():
+                loaded = load_hf_directory(path, placement.device, placement.dtype, progress, quantize)
+            elif gguf:
+                loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantize != "none")
+            else:
+                raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(
             f"not enough memory on {placement.device} to load {path.name}; use a smaller model"
