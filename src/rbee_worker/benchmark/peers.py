@@ -114,7 +114,8 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
     options = {"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
     # With AMX, llama.cpp decodes fastest from its AMX buffers but crashes there on batches of several tokens (see
     # benchmark/llama_cpp.py): decode is timed from those, fed the prompt one token at a time (only the tokens after
-    # the first are timed), and time to first token from the plain buffers.
+    # the first are timed), and time to first token from the plain buffers. Decode from the plain buffers is timed
+    # too (`plain_decode_tok_s`): a llama.cpp server on such a CPU needs them (`--no-repack`) to take any prompt.
     amx = has_amx()
     llm = open_llama(args.model, plain_buffers=False, n_batch=1 if amx else 512, **options)
     eos = llm.token_eos()
@@ -133,12 +134,17 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
         llm.close()
         llm = open_llama(args.model, plain_buffers=True, **options)
     ttft = [generate(llm, spec["long_prompt"], 2)[0] for _ in range(spec["repeats"])]
-    return {
+    result = {
         "decode_tok_s": statistics.median(decode),
         "ttft_s": statistics.median(ttft),
         "runs": {"decode_tok_s": decode, "ttft_s": ttft},
         "amx": amx,
     }
+    if amx:
+        plain = [generate(llm, spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]
+        result["plain_decode_tok_s"] = statistics.median(plain)
+        result["runs"]["plain_decode_tok_s"] = plain
+    return result
 
 
 def sync(device: Any) -> None:

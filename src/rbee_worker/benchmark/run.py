@@ -218,6 +218,8 @@ def markdown(result: dict) -> str:
             *(f"{r.get('aggregate_tok_s', {}).get(c, 0):.0f}" if r.get("aggregate_tok_s") else "" for c in concurrency),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+        if "plain_decode_tok_s" in r:
+            lines.append(f"| {name}, plain buffers | | | {r['plain_decode_tok_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -267,6 +269,8 @@ def main(args: argparse.Namespace) -> int:
     for peer, figures in peers.items():
         if "decode_tok_s" in figures:
             result[f"decode_ratio_vs_{peer}"] = worker["decode_tok_s"] / figures["decode_tok_s"]
+        if "plain_decode_tok_s" in figures:
+            result[f"decode_ratio_vs_{peer}_plain_buffers"] = worker["decode_tok_s"] / figures["plain_decode_tok_s"]
     result["spec"] = {k: v for k, v in spec.items() if not k.endswith(("prompt", "ids"))}
     result["spec"]["prompt_tokens"] = len(spec["long_prompt"])
     table = markdown(result)
