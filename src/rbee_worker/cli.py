@@ -167,8 +167,8 @@ def build_parser() -> Parser:
         help="run the model through torch.compile, compiled before the worker reports ready: each decoder layer on "
         "CUDA, inside the CUDA graphs (the default there, unless --no-cuda-graphs or --deterministic: 16 s more "
         "start-up for an 8B model on an H200, which then decodes 1.23x faster with a shorter time to first token), "
-        "the whole model for decode steps on the CPU (off by default there: about 45 s of start-up for the demo "
-        "model on 2 cores, which then decodes 1.7x faster)",
+        "the whole model for decode steps on the CPU (off by default there: 20-25 s of start-up for the demo model "
+        "on 2 cores once inductor's cache is warm, longer the first time, which then decodes 1.6-1.7x faster)",
     )
     jobs.add_argument(
         "--chat-template",
