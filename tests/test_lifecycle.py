@@ -104,17 +104,20 @@ def test_loading_progress_counts_layers_then_ready(tmp_path: Path) -> None:
 # --- slots and the queue ----------------------------------------------------------------------------------------------
 
 
-def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(tmp_path: Path) -> None:
+@pytest.fixture
+def deterministic_client(tmp_path: Path) -> Iterator[httpx.Client]:
+    """A worker with the tuned one's slots and queue, in --deterministic mode."""
+    flags = ("--max-batch", "2", "--max-queue", "1", "--max-context", str(MAX_CONTEXT), "--deterministic")
+    with running(tmp_path, *flags) as worker, httpx.Client(base_url=worker.url, timeout=120) as http:
+        yield http
+
+
+def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(deterministic_client: httpx.Client) -> None:
     """--max-batch 2 --max-queue 1: of 6 simultaneous jobs, 3 are admitted and finish completely, with the same text
     (--deterministic, the contract's batch invariance: without it a job that waited for a slot and ran alone can part
     from the two that ran together at a near tie, as it did on a CPU with AMX); 3 get ALL_SLOTS_BUSY with Retry-After;
     a refused job succeeds when retried."""
-    flags = ("--max-batch", "2", "--max-queue", "1", "--max-context", str(MAX_CONTEXT), "--deterministic")
-    with running(tmp_path, *flags) as worker, httpx.Client(base_url=worker.url, timeout=120) as client:
-        check_slots_and_queue(client)
-
-
-def check_slots_and_queue(client: httpx.Client) -> None:
+    client = deterministic_client
     outcomes: dict[int, httpx.Response | Stream] = {}
     barrier = threading.Barrier(6)
 
