@@ -55,6 +55,26 @@ build_tokenizer(read_gguf(path).metadata).save_pretrained({str(staging)!r})
 
 
 @pytest.fixture(scope="session")
+def demo_hf_bf16_dir(demo_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo directory with its weights in bfloat16, as most checkpoints on the hub are published."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path_factory.mktemp("demo-bf16")
+    for item in demo_hf_dir.iterdir():
+        if item.name not in ("model.safetensors", "config.json"):
+            shutil.copy(item, target / item.name)
+    weights = load_file(demo_hf_dir / "model.safetensors")
+    save_file({name: t.to(torch.bfloat16) for name, t in weights.items()}, target / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    config = json.loads((demo_hf_dir / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="session")
 def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model's tokenizer alone (3.5 MB): `RBEE_TEST_TOKENIZER_DIR` where the GGUF is not at hand (GPU box)."""
     if explicit := os.environ.get("RBEE_TEST_TOKENIZER_DIR"):

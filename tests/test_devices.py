@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.devices import (
-    CPU_AUTO_DTYPE,
     Placement,
     available_memory,
     check_fits,
@@ -110,8 +110,8 @@ def test_parse_device_conflicts(device: str | None, backend: str | None, cuda_de
 
 def test_resolve_dtype_auto_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     # `auto` reads only the device type (and on CUDA whether it has bf16), so any device can be named here.
-    assert resolve_dtype("auto", CPU) is CPU_AUTO_DTYPE is torch.bfloat16
-    assert resolve_dtype(None, CPU) is CPU_AUTO_DTYPE
+    assert resolve_dtype("auto", CPU) is cpu_features().auto_dtype  # tests/test_cpu_features.py: per CPU
+    assert resolve_dtype(None, CPU) is cpu_features().auto_dtype
     assert resolve_dtype("auto", torch.device("mps")) is torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     assert resolve_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16

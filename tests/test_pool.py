@@ -34,8 +34,9 @@ PAYLOAD = ReadyPayload(
     memory_bytes=123_456_789,
     backend="cpu",
     device="cpu",
+    cpu={"arch": "x86_64", "isa": "avx2", "flags": ["avx", "avx2", "f16c", "fma"], "bf16": "emulated", "forced": None},
 )
-CONTRACT_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device"}
+CONTRACT_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "cpu"}
 
 
 @dataclass(frozen=True)

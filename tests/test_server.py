@@ -37,6 +37,8 @@ from serving import (
     take_tokens,
 )
 
+from rbee_worker.cpu_features import cpu_features
+
 pytestmark = pytest.mark.slow
 
 HEALTH_KEYS = {
@@ -49,8 +51,9 @@ HEALTH_KEYS = {
     "slots_total",
     "slots_busy",
     "kv_cache_usage_perc",
+    "cpu",
 }
-READY_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device"}
+READY_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "cpu"}
 BEAT_KEYS = {"worker_id", "timestamp", "health_status", "state"}
 CANCEL_LATENCY_S = 1.0  # the brief's bound for "the stream ends / the slot is free after a cancel"
 
@@ -132,6 +135,7 @@ def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Clien
     assert body["status"] == "healthy" and body["state"] == "idle"
     assert (body["slots_busy"], body["kv_cache_usage_perc"]) == (0, 0) and body["slots_total"] == 16  # the default
     assert body["worker_id"] == f"{socket.gethostname()}-{server.port}"  # the default: <host name>-<port>
+    assert body["cpu"] == cpu_features().describe()  # the worker's environment is this process's
     assert body["model"] == DEMO_NAME  # the default --model-ref: the model's own name, not "demo"
     assert body["vram_bytes"] == 0  # CPU
     # Measured weights (+ KV cache): the Q4_1 file's matrices held as they are (--quantize auto), about 95 MB;
@@ -429,6 +433,7 @@ def test_ready_callback_retried_then_heartbeats(tmp_path: Path, manager_factory:
         assert body["worker_id"] == "worker-under-test"
         assert body["model_ref"] == "hf:HuggingFaceTB/SmolLM2-135M-Instruct"
         assert body["uri"] == body["url"] == worker.url
+        assert body["cpu"] == cpu_features().describe()
         # The demo's quantized weights as held (see test_health_reports_loading_then_healthy).
         assert 80_000_000 < body["memory_bytes"] < 150_000_000 and body["vram_bytes"] == 0
         assert body["backend"] == "cpu" and body["device"] == "cpu"

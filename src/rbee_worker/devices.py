@@ -6,16 +6,10 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.errors import DeviceError, ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Measured on the project's 2-core x86 CPU (AVX-512 with BF16 instructions, no FP16 ones), demo model, 2 threads,
-# through the HTTP API (`rbee-worker bench`, bench/results/bench_demo_cpu_*): bfloat16 prefills a 512-token prompt in
-# 0.47 s and decodes 229 tok/s in all at 16 streams; float16 takes 3.2 s and 91 tok/s, because its matrix products
-# have no hardware path beyond one row. float16 decodes a single stream faster (46 vs 26 tok/s): `--dtype float16`
-# for one user at a time.
-CPU_AUTO_DTYPE = torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -81,12 +75,13 @@ def parse_device(device: str | None, backend: str | None = None, cuda_device: in
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on CUDA (fp16 on GPUs without bf16), fp16 on MPS, and on CPU the dtype measured fastest."""
+    """`auto`: bf16 on CUDA (fp16 on GPUs without bf16), fp16 on MPS, and on CPU what this CPU computes fastest
+    (cpu_features: bf16 where it has bf16 instructions, fp32 elsewhere)."""
     name = (dtype or "auto").lower()
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float16 if device.type == "mps" else CPU_AUTO_DTYPE
+        return torch.float16 if device.type == "mps" else cpu_features().auto_dtype
     if name not in DTYPES:
         raise DeviceError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     if device.type == "cuda" and DTYPES[name] is torch.bfloat16 and not torch.cuda.is_bf16_supported():

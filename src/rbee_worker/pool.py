@@ -53,8 +53,9 @@ class ReadyPayload:
     memory_bytes: int
     backend: str
     device: str
+    cpu: dict[str, object]  # cpu_features.CpuFeatures.describe(): what the worker's CPU paths are chosen by
 
-    def to_json(self) -> dict[str, str | int]:
+    def to_json(self) -> dict[str, object]:
         return {
             "worker_id": self.worker_id,
             "model_ref": self.model_ref,
@@ -65,6 +66,7 @@ class ReadyPayload:
             "memory_bytes": self.memory_bytes,
             "backend": self.backend,
             "device": self.device,
+            "cpu": self.cpu,
         }
 
 

@@ -24,6 +24,7 @@ from rbee_worker.api.metrics import Metrics, metrics_router
 from rbee_worker.api.middleware import AuthAndCorrelation
 from rbee_worker.api.native import WorkerState, native_router
 from rbee_worker.api.openai import ApiError, openai_router
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.errors import RegistrationError
@@ -228,6 +229,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
                 memory_bytes=memory,
                 backend=loaded.info.device.type,
                 device=str(loaded.info.device),
+                cpu=cpu_features().describe(),
             )
             try:
                 await send_ready_callback(settings.callback_url, payload, timeout_s=settings.callback_timeout_s)

@@ -33,6 +33,7 @@ from rbee_worker.api.native_schema import (
     sse_response_doc,
 )
 from rbee_worker.api.validation import FieldError, JobRequest, errors_body, parse_job_request
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Started, StopReason, Token
@@ -131,6 +132,7 @@ def native_router(state: WorkerState) -> APIRouter:
             "slots_total": engine.max_batch,
             "slots_busy": engine.running_requests,
             "kv_cache_usage_perc": round(engine.kv_cache_usage(), 6),  # a share, 0..1, as the /metrics gauge
+            "cpu": cpu_features().describe(),
         }
         if condition == "unhealthy":
             body["message"] = (

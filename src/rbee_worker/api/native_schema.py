@@ -8,6 +8,16 @@ from pydantic import BaseModel
 from rbee_worker.api.validation import job_request_schema
 
 
+class CpuInfo(BaseModel):
+    """What the worker's CPU paths are chosen by (cpu_features.py)."""
+
+    arch: str  # x86_64, aarch64, arm64, ...
+    isa: str  # the vector level torch's kernels dispatch to: avx512, avx2, default, ...
+    flags: list[str]  # the instruction-set flags that decide a path (AVX2, AVX-512 BW/VL/DQ, AVX512_BF16, AMX, ...)
+    bf16: Literal["native", "onednn", "emulated"]  # bf16 instructions; oneDNN's bf16 without them; neither
+    forced: str | None  # RBEE_CPU_ISA, when set
+
+
 class Health(BaseModel):
     status: Literal["healthy", "loading", "draining", "unhealthy"]
     worker_id: str
@@ -19,6 +29,7 @@ class Health(BaseModel):
     slots_total: int | None = None  # --max-batch
     slots_busy: int | None = None  # jobs holding a slot (others in flight wait in the queue)
     kv_cache_usage_perc: float | None = None  # share of the KV cache's token positions in use, 0..1
+    cpu: CpuInfo | None = None
     message: str | None = None  # why it is unhealthy
 
 

@@ -6,14 +6,15 @@ load, the same products run 1.3x to 2.5x faster (bench/cpu_linear.py). This is w
 IPEX do, without compiling: each nn.Linear of the model is swapped for a PackedLinear after loading, so transformers'
 own model classes run unchanged around it.
 
-fp16 is left alone: on CPUs without FP16 matrix instructions oneDNN has no fast path for it either.
+Only the dtypes that oneDNN computes on this CPU are packed (cpu_features.onednn_runs): float32 everywhere, bfloat16
+where the CPU has AVX-512 BW/VL/DQ or AVX-NE-CONVERT (torch refuses to reorder bfloat16 weights elsewhere). fp16 is
+left alone: on CPUs without FP16 matrix instructions oneDNN has no fast path for it either.
 """
 
 import torch
 
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.models.quantize import replace_linears
-
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(torch.nn.Module):
@@ -36,11 +37,11 @@ class PackedLinear(torch.nn.Module):
 
 
 def can_pack(model: torch.nn.Module) -> bool:
+    """Whether the model's plain linear layers can be packed: on the CPU, in a dtype oneDNN computes there."""
     parameter = next(model.parameters())
     return (
         parameter.device.type == "cpu"
-        and parameter.dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
+        and cpu_features().onednn_runs(parameter.dtype)
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.errors import ModelLoadError
 
 _T = GGMLQuantizationType
@@ -203,16 +204,23 @@ def int4_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tu
 INT8_TYPES = frozenset({_T.Q8_0, _T.Q5_K, _T.Q6_K})
 INT8_GROUP = 32
 
+# The dtype PyTorch's CPU int4 and int8 weight-only kernels compute in, whatever the model's: their scales have it, and
+# the activations are cast to it for the call. It is the only fast one on every instruction set measured (AVX2 and
+# AVX-512, with or without BF16: float32 and float16 activations take a scalar path, 30 to 100 times slower).
+KERNEL_DTYPE = torch.bfloat16
+
 # From this many activation rows (a long prompt), PyTorch's CPU int4 and int8 weight-only kernels are slower than
-# oneDNN's bfloat16 product (AMX where the CPU has it) on the matrix dequantized for the call: Int4Linear and Int8Linear
+# oneDNN's product (AMX where the CPU has it) on the matrix dequantized for the call: Int4Linear and Int8Linear
 # then dequantize (their docstrings give the measurements).
 CPU_DEQUANTIZE_ROWS = 256
 
 
-def cpu_product_dequantizes(rows: int) -> bool:
-    """Whether a CPU int4 / int8 product over `rows` rows dequantizes its matrix. Never while torch.compile traces:
-    the comparison would split the compiled forward into two classes of shapes."""
-    return rows >= CPU_DEQUANTIZE_ROWS and not torch.compiler.is_compiling()
+def cpu_product_dequantizes(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a CPU int4 / int8 product over `rows` rows of `dtype` activations dequantizes its matrix to `dtype`:
+    for long prompts, where oneDNN computes that dtype on this CPU (bfloat16 without oneDNN runs slower than the
+    kernels). Never while torch.compile traces: the comparison would split the compiled forward into two classes of
+    shapes."""
+    return not torch.compiler.is_compiling() and rows >= CPU_DEQUANTIZE_ROWS and cpu_features().onednn_runs(dtype)
 
 
 def int8_groups(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

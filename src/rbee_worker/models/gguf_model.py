@@ -16,7 +16,15 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.dequant import INT4_GROUP_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, int8_rows
+from rbee_worker.models.dequant import (
+    INT4_GROUP_TYPES,
+    INT8_TYPES,
+    KERNEL_DTYPE,
+    dequantize,
+    int4_groups,
+    int8_groups,
+    int8_rows,
+)
 from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.int4_linear import INT4_BYTES_PER_WEIGHT, Int4Linear
@@ -301,7 +309,7 @@ def keep_quantized(
                 progress.add(buffer_bytes(tied_head, exclude=replacement))
         else:
             heads = permuted_heads(arch, name, config)
-            replacement = quantized_linear(raw, info.ggml_type, info.shape, dtype, module.bias, heads)
+            replacement = quantized_linear(raw, info.ggml_type, info.shape, module.bias, heads)
         replace_module(model, module_name, replacement)
         progress.add(buffer_bytes(replacement))
 
@@ -310,16 +318,15 @@ def quantized_linear(
     raw: torch.Tensor,
     ggml_type: int,
     shape: tuple[int, int],
-    dtype: torch.dtype,
     bias: torch.Tensor | None,
     heads: int | None = None,
 ) -> Int4Linear | Int8Linear:
-    """The linear layer of a stored matrix: its int4 codes as stored, or int8 codes requantized per row; `heads`
-    undoes llama.cpp's rotary permutation of its rows."""
+    """The linear layer of a stored matrix: its int4 codes as stored, or int8 codes requantized per row with the
+    kernels' scales; `heads` undoes llama.cpp's rotary permutation of its rows."""
     if ggml_type in INT4_GROUP_TYPES:
         layer_class, parts = Int4Linear, int4_groups(raw, ggml_type, shape)
     else:
-        layer_class, parts = Int8Linear, int8_rows(raw, ggml_type, shape, dtype)
+        layer_class, parts = Int8Linear, int8_rows(raw, ggml_type, shape, KERNEL_DTYPE)
     if heads:
         parts = tuple(unpermute_rotary(part, heads) for part in parts)
     return layer_class(*parts, bias)
@@ -333,13 +340,13 @@ def quantized_embedding(
     Q8_0 keeps its codes and per-32 scales: exactly the dequantized rows. Q5_K / Q6_K rows are requantized to int8
     per row (dequant.int8_rows). Q4_0 / Q4_1 / Q4_K keep their codes (as int8 q - 8) and per-32 scales and zeros in
     float32: exactly the dequantized rows (Q4_K within float32's rounding of its zeros)."""
-    head = quantized_linear(raw, ggml_type, shape, dtype, None) if tied else None
+    head = quantized_linear(raw, ggml_type, shape, None) if tied else None
     if isinstance(head, Int8Linear):
         return Int8Embedding(head.codes, head.scales.unsqueeze(1), None, dtype), head
     if ggml_type == gguf.GGMLQuantizationType.Q8_0:
         return Int8Embedding(*int8_groups(raw, ggml_type, shape), None, dtype), head
     if ggml_type in INT8_TYPES:
-        codes, scales = int8_rows(raw, ggml_type, shape, dtype)
+        codes, scales = int8_rows(raw, ggml_type, shape, KERNEL_DTYPE)
         return Int8Embedding(codes, scales.unsqueeze(1), None, dtype), head
     codes, scales, zeros = int4_groups(raw, ggml_type, shape)
     offset = None if ggml_type == gguf.GGMLQuantizationType.Q4_0 else zeros  # Q4_0's zeros are all 0

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from rbee_worker.models.dequant import INT4_GROUP, cpu_product_dequantizes
+from rbee_worker.models.dequant import INT4_GROUP, KERNEL_DTYPE, cpu_product_dequantizes
 
 # Half a byte of code plus a bfloat16 scale and zero per group of 32.
 INT4_BYTES_PER_WEIGHT = 0.5 + 2 * 2 / INT4_GROUP
@@ -74,24 +74,26 @@ class Int4Linear(torch.nn.Module):
             from rbee_worker.models.cuda_weight_only import int4_matmul  # Triton: not on CPU-only machines
 
             y = int4_matmul(rows, self.packed, self.scales_and_zeros)
-        elif cpu_product_dequantizes(rows.shape[0]) and cpu_pack_block() is not None:
-            y = torch.nn.functional.linear(rows, self.dequantized())
+        elif cpu_product_dequantizes(rows.shape[0], rows.dtype) and cpu_pack_block() is not None:
+            y = torch.nn.functional.linear(rows, self.dequantized(rows.dtype))
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+            kernel_rows = rows.to(KERNEL_DTYPE)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(kernel_rows, self.packed, INT4_GROUP, self.scales_and_zeros)
+            y = y.to(rows.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
-    def dequantized(self) -> torch.Tensor:
-        """W [out, in] in bfloat16 from PyTorch's CPU layout: each weight (q - 8) * scale + zero in float32, then
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """W [out, in] in `dtype` from PyTorch's CPU layout: each weight (q - 8) * scale + zero in float32, then
         rounded."""
         codes = unpack_cpu_int4(self.packed, self.out_features, self.in_features, cpu_pack_block())
         groups = codes.view(torch.int8).sub_(8).reshape(self.out_features, self.in_features // INT4_GROUP, INT4_GROUP)
         scales, zeros = (part.T.float().unsqueeze(-1) for part in self.scales_and_zeros.unbind(-1))  # [out, groups, 1]
-        # addcmul computes in float32 (the type its operands promote to) and rounds into the bfloat16 output.
-        weights = torch.empty(groups.shape, dtype=torch.bfloat16)
+        # addcmul computes in float32 (the type its operands promote to) and rounds into the output's dtype.
+        weights = torch.empty(groups.shape, dtype=dtype)
         return torch.addcmul(zeros, groups, scales, out=weights).reshape(self.out_features, self.in_features)
 
 

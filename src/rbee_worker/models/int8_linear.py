@@ -26,8 +26,8 @@ INT8_BYTES_PER_WEIGHT = 1
 
 
 class Int8Linear(torch.nn.Module):
-    """y = x W^T + b, W[n, k] = codes[n, k] * scales[n]; on the CPU x must have the scales' dtype (bfloat16 to run
-    fast), on CUDA the product runs as cuda_weight_only's Triton kernels."""
+    """y = x W^T + b, W[n, k] = codes[n, k] * scales[n]; on the CPU the kernel computes in the scales' dtype
+    (dequant.KERNEL_DTYPE, x is cast to it), on CUDA the product runs as cuda_weight_only's Triton kernels."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -47,16 +47,16 @@ class Int8Linear(torch.nn.Module):
             from rbee_worker.models.cuda_weight_only import int8_matmul  # Triton: not on CPU-only machines
 
             y = int8_matmul(rows, self.codes, self.scales)
-        elif cpu_product_dequantizes(rows.shape[0]):
-            y = torch.nn.functional.linear(rows, self.dequantized())
+        elif cpu_product_dequantizes(rows.shape[0], rows.dtype):
+            y = torch.nn.functional.linear(rows, self.dequantized(rows.dtype))
         else:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(self.scales.dtype), self.codes, self.scales).to(rows.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def dequantized(self) -> torch.Tensor:
-        """W [out, in] in the scales' dtype: each weight q * scale in float32, then rounded."""
-        return (self.codes.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [out, in] in `dtype` (by default the scales'): each weight q * scale in float32, then rounded."""
+        return (self.codes.float() * self.scales.float()[:, None]).to(dtype or self.scales.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

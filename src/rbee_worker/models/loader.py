@@ -95,9 +95,9 @@ def load_model(
         quantize = "int4" if keep else "none"  # for a GGUF file int4 and int8 alike mean "keep the file's types"
     if quantize != "none" and not quantized_supported(placement.device, placement.dtype):
         raise ModelLoadError(
-            f"--quantize {quantize} runs in bfloat16 on the CPU or on a CUDA GPU of compute capability 8.0 or newer; "
-            f"{placement.device} with {str(placement.dtype).removeprefix('torch.')} cannot: add --dtype bfloat16 or "
-            "drop --quantize"
+            f"--quantize {quantize} runs on the CPU, or in bfloat16 on a CUDA GPU of compute capability 8.0 or newer "
+            f"with Triton; {placement.device} with {str(placement.dtype).removeprefix('torch.')} cannot: drop "
+            "--quantize, or on such a GPU add --dtype bfloat16"
         )
     try:
         with _LOADING:

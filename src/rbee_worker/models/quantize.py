@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from rbee_worker.models.dequant import INT4_GROUP, int8_per_row
+from rbee_worker.models.dequant import INT4_GROUP, KERNEL_DTYPE, int8_per_row
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 
@@ -38,12 +38,15 @@ def int4_affine(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def quantized_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether Int4Linear and Int8Linear run here: bfloat16 activations, on the CPU or on a CUDA GPU of compute
-    capability 8.0+ (bfloat16 tensor-core instructions) with Triton (the int8 and int4 kernels)."""
-    if dtype != torch.bfloat16:
-        return False
+    """Whether Int4Linear and Int8Linear run here: on the CPU in a model of any dtype (the kernels compute in
+    bfloat16, dequant.KERNEL_DTYPE), or in a bfloat16 model on a CUDA GPU of compute capability 8.0+ (bfloat16
+    tensor-core instructions) with Triton (the int8 and int4 kernels)."""
     if device.type == "cuda":
-        return importlib.util.find_spec("triton") is not None and torch.cuda.get_device_capability(device) >= (8, 0)
+        return (
+            dtype == torch.bfloat16
+            and importlib.util.find_spec("triton") is not None
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+        )
     return device.type == "cpu"
 
 
@@ -75,7 +78,7 @@ def quantize_head(model: torch.nn.Module) -> None:
 
 def int8_linear(linear: torch.nn.Linear) -> Int8Linear:
     weight = linear.weight.detach()
-    return Int8Linear(*int8_per_row(weight, weight.dtype), linear.bias)
+    return Int8Linear(*int8_per_row(weight, KERNEL_DTYPE), linear.bias)
 
 
 def replace_linears(root: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module | None]) -> None:
