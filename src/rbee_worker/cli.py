@@ -34,6 +34,13 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def exit_at_once(code: int) -> NoReturn:
+    """End the process now, with what it printed so far flushed: for a stop signal before anything runs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def bounded(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False) -> Callable:
     """An argparse type that also checks the contract's range for the value."""
 
@@ -259,9 +266,10 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     sock = bind(args.host, args.port)  # before the heavy imports below: a taken port fails in well under a second
-    # Until serve() installs its drain, a stop signal (nothing runs yet) simply ends the process with success.
+    # Until serve() installs its drain, a stop signal (nothing runs yet) simply ends the process with success. Not
+    # through SystemExit: raised in the middle of an import, transformers' lazy modules turn it into an import error.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sys.exit(0))
+        signal.signal(sig, lambda *_: exit_at_once(0))
     from rbee_worker.devices import resolve_placement
     from rbee_worker.server import ServeSettings, serve
 
