@@ -60,7 +60,7 @@ def main() -> None:
         "rbee int4": torch_logits(int4),
         "rbee bf16": torch_logits(bf16),
         "llama.cpp": llama_cpp_logits(path, args.threads),
-        "llama.cpp on F32 copy": llama_cpp_logits(float32_file, args.threads),
+        "llama.cpp on F32 copy": llama_cpp_logits(float32_file, args.threads, float32_cache=True),
     }
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     text = tokenizer(TEXT)["input_ids"]

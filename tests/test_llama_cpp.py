@@ -44,7 +44,7 @@ def systems(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "fp32": torch_logits(reference.model),
         "int4": torch_logits(int4),
         "llama.cpp": llama_cpp_logits(demo_gguf, 2),
-        "llama.cpp f32": llama_cpp_logits(float32_file, 2),
+        "llama.cpp f32": llama_cpp_logits(float32_file, 2, float32_cache=True),
     }
 
 
@@ -53,11 +53,18 @@ def prompt_ids(systems: dict) -> list[list[int]]:
 
 
 def test_llama_cpp_on_the_dequantized_file_computes_our_float32_model(systems: dict) -> None:
-    """Same weights in float32 on both sides: logits at every position agree to float32 summation-order noise, and
-    greedy text of 64 tokens is identical on all three prompts."""
+    """Same weights in float32 on both sides, llama.cpp's KV cache in float32 too: logits at every position agree to
+    float32 summation-order noise, and greedy text of 64 tokens is identical on all three prompts.
+
+    The bound: both sides round only in float32 (2^-24 relative per operation); what differs between instruction
+    sets is the order of the sums (ggml's and oneDNN's 8-float AVX2 lanes against 16-float AVX-512 ones), which moves
+    each dot product by a few float32 steps of its magnitude. Measured 1.4e-6 to 3.3e-6 of the largest logit on
+    AVX-512, and the same with our side forced to AVX2; 1e-4 leaves 30x. With llama.cpp's default float16 cache the
+    error is 3e-4 to 9e-4 on AVX-512 and was 1.2e-3 on an AVX2-only CPU: float16's 11-bit rounding of every cached key
+    and value, not the kernels, so that comparison says nothing about the model code."""
     for ids in prompt_ids(systems):
         ours, theirs = systems["fp32"](ids), systems["llama.cpp f32"](ids)
-        assert np.abs(ours - theirs).max() <= 1e-3 * np.abs(ours).max()
+        assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(ours).max()
         ours_text, _ = greedy(systems["fp32"], ids, GREEDY_TOKENS)
         theirs_text, _ = greedy(systems["llama.cpp f32"], ids, GREEDY_TOKENS)
         assert first_divergence(ours_text, theirs_text) is None

@@ -50,12 +50,25 @@ def torch_logits(model: torch.nn.Module) -> Logits:
     return run
 
 
-def llama_cpp_logits(path: Path, threads: int) -> Logits:
+def llama_cpp_logits(path: Path, threads: int, float32_cache: bool = False) -> Logits:
+    """llama.cpp's logits at every position. Its KV cache holds float16 by default, as llama.cpp serves; with
+    `float32_cache` float32, so that a float32 file is computed in float32 throughout (the float16 cache alone puts
+    its logits up to 9e-4 of the largest off an exact float32 computation of the demo model)."""
     from rbee_worker.benchmark.llama_cpp import open_llama
 
+    cache_type = 0 if float32_cache else 1  # ggml_type: GGML_TYPE_F32, GGML_TYPE_F16
     # ggml's plain CPU kernels: llama.cpp's reference on every machine, and the only ones that run batches where it
     # would use AMX (see llama_cpp.py).
-    llm = open_llama(str(path), plain_buffers=True, n_ctx=2048, n_threads=threads, logits_all=True, verbose=False)
+    llm = open_llama(
+        str(path),
+        plain_buffers=True,
+        n_ctx=2048,
+        n_threads=threads,
+        logits_all=True,
+        verbose=False,
+        type_k=cache_type,
+        type_v=cache_type,
+    )
 
     def run(ids: list[int]) -> np.ndarray:
         if llm.input_ids[: llm.n_tokens].tolist() != ids[: llm.n_tokens] or len(ids) <= llm.n_tokens:
