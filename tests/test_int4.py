@@ -12,6 +12,7 @@ from conftest import cli
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.dequant import CPU_DEQUANTIZE_ROWS, INT4_GROUP, dequantize, int4_groups
@@ -88,22 +89,29 @@ def test_int4_linear_computes_with_the_stored_codes(ggml_type: GGMLQuantizationT
     assert (y - exact).abs().max() <= 2**-6 * exact.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q4_K], ids=lambda t: t.name)
-def test_many_rows_multiply_the_dequantized_matrix(ggml_type: GGMLQuantizationType) -> None:
-    """From CPU_DEQUANTIZE_ROWS rows the layer multiplies its matrix dequantized to bfloat16, unpacked from PyTorch's
-    CPU layout: each weight is exactly the bfloat16 rounding of (q - 8) * scale + zero (so every output is where it
-    belongs), and the product stays within bfloat16 rounding of the int4 kernel's (which runs below that count)."""
+def test_many_rows_multiply_the_dequantized_matrix(ggml_type: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    """From CPU_DEQUANTIZE_ROWS rows of activations in a dtype that oneDNN computes on this CPU, the layer multiplies
+    its matrix dequantized to that dtype, unpacked from PyTorch's CPU layout: each weight is exactly the rounding of
+    (q - 8) * scale + zero (so every output is where it belongs), and the product stays within bfloat16 rounding of
+    the int4 kernel's. Below that count, or in bfloat16 where oneDNN does not compute it (AVX2 without AVX-NE-CONVERT),
+    the kernel runs, on the activations rounded to bfloat16."""
     raw, shape = quantized(ggml_type, rows=192, cols=512)  # 3 of PyTorch's blocks of 64 outputs
     codes, scales, zeros = int4_groups(raw, ggml_type, shape)
     layer = Int4Linear(codes, scales, zeros, None)
     assert torch.equal(
         layer.dequantized(), weight_of(codes, scales.bfloat16().float(), zeros.bfloat16().float()).bfloat16()
     )
-    x = torch.randn(CPU_DEQUANTIZE_ROWS, shape[1], dtype=torch.bfloat16)
-    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, INT4_GROUP, layer.scales_and_zeros)
+    x = torch.randn(CPU_DEQUANTIZE_ROWS, shape[1], dtype=dtype)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), layer.packed, INT4_GROUP, layer.scales_and_zeros)
+    kernel = kernel.to(dtype)
     assert torch.equal(layer(x[:-1]), kernel[:-1])
     many = layer(x)
-    assert torch.equal(many, torch.nn.functional.linear(x, layer.dequantized()))
+    if cpu_features().onednn_runs(dtype):
+        assert torch.equal(many, torch.nn.functional.linear(x, layer.dequantized(dtype)))
+    else:
+        assert torch.equal(many, kernel)
     assert (many.float() - kernel.float()).abs().max() <= 2**-7 * kernel.float().abs().max()
 
 
@@ -163,22 +171,22 @@ def test_generate_with_int4_through_the_cli() -> None:
 
 def test_int4_is_refused_where_it_does_not_run(demo_gguf: Path) -> None:
     """(A model directory is quantized at load now: test_quantize.py.)"""
-    with pytest.raises(ModelLoadError, match="runs in bfloat16"):
-        load_model(str(demo_gguf), Placement(CPU, torch.float32), quantize="int4")
+    with pytest.raises(ModelLoadError, match="--quantize int4 runs on the CPU, or in bfloat16"):
+        load_model(str(demo_gguf), Placement(torch.device("mps"), torch.float16), quantize="int4")
 
 
-def test_auto_keeps_a_gguf_quantized_where_its_kernels_run(demo_gguf: Path, demo_hf_dir: Path) -> None:
-    """`--quantize auto`, the CLI's default: the GGUF file's own types in bfloat16, dequantized in float32 (no
-    error: the user asked for nothing), and a model directory as it is."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_auto_keeps_a_gguf_quantized_on_the_cpu_in_any_dtype(demo_gguf: Path, demo_hf_dir: Path, dtype) -> None:
+    """`--quantize auto`, the CLI's default: on the CPU the GGUF file's own types in a model of any dtype (the
+    kernels compute in bfloat16), and a model directory as it is."""
 
     def int4_layers(model: torch.nn.Module) -> int:
         return sum(isinstance(m, Int4Linear) for m in model.modules())
 
-    kept = load_model(str(demo_gguf), Placement(CPU, torch.bfloat16), quantize="auto")
+    kept = load_model(str(demo_gguf), Placement(CPU, dtype), quantize="auto")
     assert int4_layers(kept.model) == 7 * kept.model.config.num_hidden_layers
-    assert kept.info.weight_bytes < os.path.getsize(demo_gguf)
-    assert int4_layers(load_model(str(demo_gguf), Placement(CPU, torch.float32), quantize="auto").model) == 0
-    assert int4_layers(load_model(str(demo_hf_dir), Placement(CPU, torch.bfloat16), quantize="auto").model) == 0
+    assert kept.info.weight_bytes < os.path.getsize(demo_gguf) * (1.2 if dtype == torch.float32 else 1)
+    assert int4_layers(load_model(str(demo_hf_dir), Placement(CPU, dtype), quantize="auto").model) == 0
 
 
 def test_the_cli_keeps_a_gguf_quantized_by_default(demo_gguf: Path) -> None:
