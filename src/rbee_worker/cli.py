@@ -73,13 +73,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA and CPU (measured fastest for batches and prompts there), float16 on MPS",
+        help="auto: bfloat16 on CUDA (float16 before Ampere), float16 on MPS; on a CPU bfloat16 where it has "
+        "bfloat16 instructions (AVX512_BF16, AMX, ARM BF16), float32 elsewhere (the `cpu` line of the log says which)",
     )
     group.add_argument(
         "--quantize",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
-        help="weight-only quantized linear layers (bfloat16 on the CPU or a CUDA GPU of compute capability 8.0+). "
+        help="weight-only quantized linear layers: on the CPU in any --dtype (the kernels compute in bfloat16), on a "
+        "CUDA GPU of compute capability 8.0+ in bfloat16. "
         "auto (default): a GGUF file keeps its own quantized matrices (Q4_* as int4, Q8_0 / Q5_K / Q6_K as int8) "
         "where those kernels run, and is dequantized to --dtype elsewhere; a model directory loads as it is. "
         "int8 / int4: a model directory is quantized at load (int8 per row, int4 per group of 32; embedding and LM "
