@@ -239,13 +239,15 @@ def test_max_context_caps_prompt_plus_max_tokens(client: httpx.Client) -> None:
 
 def test_kv_cache_memory_sets_the_context_or_refuses_to_start(tmp_path: Path) -> None:
     """--kv-cache-gb splits the memory over the --max-batch slots: the context the worker then offers (max_model_len)
-    is what fits (demo model in bf16: 23,040 bytes per token); too little for a useful slot is exit 2."""
+    is what fits (demo model in bf16, named since `auto` depends on the CPU: 23,040 bytes per token); too little for a
+    useful slot is exit 2."""
     per_token = 30 * 3 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16 bytes
     budget = 0.01
-    with running(tmp_path, "--max-batch", "4", "--kv-cache-gb", str(budget)) as worker:
+    with running(tmp_path, "--dtype", "bfloat16", "--max-batch", "4", "--kv-cache-gb", str(budget)) as worker:
         [model] = httpx.get(f"{worker.url}/v1/models", timeout=10).json()["data"]
     assert model["max_model_len"] == int(budget * 2**30) // (4 * per_token)
-    refused = cli("serve", "--max-batch", "4", "--kv-cache-gb", "0.001", "--port", "0", timeout=120)
+    refused = cli("serve", "--dtype", "bfloat16", "--max-batch", "4", "--kv-cache-gb", "0.001", "--port", "0",
+                  timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "KV cache" in refused.stderr, refused.stderr
     assert len(error_lines(refused.stderr)) == 1
 
