@@ -10,10 +10,10 @@ The worker's CPU paths depend on instructions that many CPUs lack:
 `RBEE_CPU_ISA=avx2` (or `avx512`) makes an x86 CPU behave as one that stops at that instruction set: it hides the
 flags beyond it from these checks and, for this process, caps torch's own kernels (ATEN_CPU_CAPABILITY) and oneDNN's
 (ONEDNN_MAX_CPU_ISA), unless those are already set. `force_isa_environment` applies it; it runs when the package is
-imported, before torch dispatches any kernel (torch reads both variables once, at its first use of them), and so
-imports torch only where a function needs it. What the
-cap cannot reach: code that reads the CPU's flags itself (torch.cpu._is_avx512_bf16_supported and the like, and
-llama.cpp, which picks its kernels from the real CPU). This module never asks those for a decision.
+imported, before torch dispatches any kernel (torch reads both variables once, at its first use of them), which is
+why this module imports torch only inside the functions that need it. What the cap cannot reach: code that reads the
+CPU's flags itself (torch.cpu._is_avx512_bf16_supported and the like, and llama.cpp, which picks its kernels from the
+real CPU). This module never asks those for a decision.
 """
 
 import functools
@@ -82,7 +82,8 @@ class CpuFeatures:
     @property
     def auto_dtype(self) -> "torch.dtype":
         """`--dtype auto` on this CPU: bfloat16 where the CPU computes it natively (half the bytes a decode step reads,
-        and oneDNN's fast products), float32 elsewhere, where bfloat16 is converted element by element."""
+        and oneDNN's fast products), float32 elsewhere, where every bfloat16 product is converted element by element
+        and a prompt's products run several times slower (bench/cpu_dtype.py; bench/results/README.md)."""
         import torch
 
         return torch.bfloat16 if self.native_bf16 else torch.float32
