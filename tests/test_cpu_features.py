@@ -74,9 +74,13 @@ def test_this_cpu_is_read_from_its_flags() -> None:
 
 
 def forced_features(isa: str) -> dict:
-    script = "import json; from rbee_worker.cpu_features import cpu_features as f; print(json.dumps(f().describe()))"
+    """cpu_features().describe() in a child process forced to `isa`, and the inductor cache directory it gets."""
+    script = (
+        "import json, os; from rbee_worker.cpu_features import cpu_features as f; "
+        "print(json.dumps({**f().describe(), 'inductor_cache': os.environ.get('TORCHINDUCTOR_CACHE_DIR')}))"
+    )
     env = {**os.environ, FORCE_VARIABLE: isa}
-    for variable in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+    for variable in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TORCHINDUCTOR_CACHE_DIR"):
         env.pop(variable, None)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     return json.loads(result.stdout)
@@ -86,6 +90,8 @@ def forced_features(isa: str) -> dict:
 def test_forcing_avx2_hides_every_flag_beyond_it_and_caps_torch() -> None:
     described = forced_features("avx2")
     assert described["isa"] == "avx2" and described["forced"] == "avx2"
+    # Compiled kernels apart from the unforced ones: inductor's cache key does not include the instruction set.
+    assert described["inductor_cache"].endswith("_avx2")
     assert set(described["flags"]) <= {"avx", "avx2", "fma", "f16c"} and described["bf16"] == "emulated"
 
 

@@ -17,10 +17,12 @@ real CPU). This module never asks those for a decision.
 """
 
 import functools
+import getpass
 import logging
 import os
 import platform
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,7 +121,11 @@ def forced_isa() -> str | None:
 
 def force_isa_environment() -> None:
     """With RBEE_CPU_ISA set, cap torch's and oneDNN's kernels to it for this process (child processes inherit the
-    variables). A value that is not an instruction set is reported later, by cpu_features(), as the caller's error."""
+    variables). A value that is not an instruction set is reported later, by cpu_features(), as the caller's error.
+
+    torch.compile's kernels then go to a cache directory of their own: inductor compiles for the capped instruction
+    set, but its cache key does not include it, so a kernel compiled under one cap and loaded under another computes
+    wrong results or aborts the process (seen with tests/test_attention.py's compiled attention)."""
     try:
         forced = forced_isa()
     except DeviceError:
@@ -128,6 +134,10 @@ def force_isa_environment() -> None:
         _, aten, onednn = FORCIBLE[forced]
         os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+        user = "".join(c if c.isalnum() else "_" for c in getpass.getuser())
+        os.environ.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{forced}")
+        )
 
 
 @functools.cache
