@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from rbee_worker.benchmark.peers import CONCURRENCY, PEERS
+from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING
 from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
 
@@ -235,6 +235,12 @@ def build_parser() -> Parser:
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--gen-tokens", type=int, default=128)
     bench.add_argument("--concurrency", type=comma_list(int), default=CONCURRENCY)
+    bench.add_argument(
+        "--sampling",
+        choices=list(SAMPLING),
+        default="greedy",
+        help="greedy, or chat: temperature 0.7 and top_p 0.9 (a chat client's usual settings), for every system",
+    )
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
     bench.add_argument(

@@ -4,7 +4,9 @@ Run as `python -m rbee_worker.benchmark.peers PEER --model M --device D --dtype 
 process (torch's CPU kernels run at half speed on a second thread of a process that already used them, see
 engine.py), printing one JSON object of results on its last stdout line.
 
-- transformers: `generate` on the model rbee-worker's loader builds (the same weights and dtype), greedy, batch 1:
+Every system generates with the spec's sampling (`--sampling`: greedy, or temperature 0.7 and top_p 0.9).
+
+- transformers: `generate` on the model rbee-worker's loader builds (the same weights and dtype), batch 1:
   time to first token and decode tokens/s; and one bare forward over the long prompt (the TTFT floor).
 - transformers-static: the same with `cache_implementation="static"` (transformers then compiles the forward).
 - transformers-cb: transformers' continuous batching (`generate_batch`), aggregate tokens/s at each concurrency.
@@ -21,6 +23,17 @@ from typing import Any
 
 PEERS = ("transformers", "transformers-static", "transformers-cb", "llama.cpp")
 CONCURRENCY = [1, 4, 16, 64]  # the bench's default stream counts
+# `--sampling`: greedy, or a chat client's usual settings. Every system gets only these filters (llama.cpp's own
+# default top_k 40 and min_p 0.05 are turned off), so all draw from the same distribution.
+SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "chat": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def transformers_sampling(spec: dict) -> dict:
+    """generate's arguments for the spec's sampling (transformers samples only with do_sample)."""
+    sampling = spec["sampling"]
+    if sampling["temperature"] == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "top_k": 0, **sampling}
 
 
 def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict:
@@ -54,8 +67,8 @@ def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict
             torch.tensor([prompt], device=device),
             max_new_tokens=tokens,
             min_new_tokens=tokens,
-            do_sample=False,
             streamer=clock,
+            **transformers_sampling(spec),
             **kwargs,
         )
         first, last = clock.times[1], clock.times[-1]
@@ -94,7 +107,9 @@ def run_transformers_cb(args: argparse.Namespace, spec: dict) -> dict:
 
     model = load_model(args.model, resolve_placement(args.device, args.dtype)).model
     # An end-of-sequence id that never comes: every sequence generates gen_tokens, as rbee-worker's ignore_eos.
-    config = GenerationConfig(max_new_tokens=spec["gen_tokens"], do_sample=False, eos_token_id=-1, pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=spec["gen_tokens"], eos_token_id=-1, pad_token_id=0, **transformers_sampling(spec)
+    )
     aggregate = {}
     for concurrency in spec["concurrency"]:
         prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
@@ -123,7 +138,10 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
     def generate(llm: Any, prompt: list[int], tokens: int) -> tuple[float, float]:
         started = time.perf_counter()
         times = []
-        for _ in llm.create_completion(prompt, max_tokens=tokens, temperature=0.0, stream=True, logit_bias={eos: -1e9}):
+        completion = llm.create_completion(
+            prompt, max_tokens=tokens, stream=True, logit_bias={eos: -1e9}, top_k=0, min_p=0.0, **spec["sampling"]
+        )
+        for _ in completion:
             times.append(time.perf_counter())
         llm.reset()
         return times[0] - started, (len(times) - 1) / (times[-1] - times[0])

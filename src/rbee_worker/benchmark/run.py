@@ -1,7 +1,8 @@
 """`rbee-worker bench`: rbee-worker measured through its real HTTP API, and the peers in the same run.
 
 The worker runs as its own `serve` process on 127.0.0.1; every request goes through POST /v1/completions (streamed,
-greedy, prompt given as token ids, `ignore_eos` so each stream generates exactly --gen-tokens). Figures:
+with --sampling's temperature and top_p, prompt given as token ids, `ignore_eos` so each stream generates exactly
+--gen-tokens). Figures:
 
 - time to first token for a --prompt-tokens prompt (and prefill tokens/s from it), one request at a time;
 - single-stream decode tokens/s: (tokens - 1) / (last token time - first token time);
@@ -23,13 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rbee_worker.benchmark.peers import CONCURRENCY
+from rbee_worker.benchmark.peers import CONCURRENCY, SAMPLING
 
 TEXT = (
     "The history of the river town begins with the old stone bridge, built by farmers who needed a way to bring "
@@ -65,11 +67,11 @@ def machine() -> dict:
     return info
 
 
-async def stream_completion(client: httpx.AsyncClient, prompt: list[int], tokens: int) -> Stream:
+async def stream_completion(client: httpx.AsyncClient, prompt: list[int], tokens: int, sampling: dict) -> Stream:
     body = {
         "prompt": prompt,
         "max_tokens": tokens,
-        "temperature": 0,
+        **sampling,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -94,22 +96,26 @@ async def stream_completion(client: httpx.AsyncClient, prompt: list[int], tokens
 async def measure_worker(url: str, spec: dict) -> dict:
     repeats, gen = spec["repeats"], spec["gen_tokens"]
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await stream_completion(client, spec["short_prompt"], gen)  # warm-up, as long as a measured run
-        await stream_completion(client, spec["long_prompt"], 2)
+
+        def complete(prompt: list[int], tokens: int) -> Awaitable[Stream]:
+            return stream_completion(client, prompt, tokens, spec["sampling"])
+
+        await complete(spec["short_prompt"], gen)  # warm-up, as long as a measured run
+        await complete(spec["long_prompt"], 2)
         ttft = []
         for _ in range(repeats):
-            s = await stream_completion(client, spec["long_prompt"], 2)
+            s = await complete(spec["long_prompt"], 2)
             ttft.append(s.first - s.started)
         decode = []
         for _ in range(repeats):
-            s = await stream_completion(client, spec["short_prompt"], gen)
+            s = await complete(spec["short_prompt"], gen)
             decode.append((s.tokens - 1) / (s.ended - s.first))
         aggregate: dict[str, float] = {}
         for concurrency in spec["concurrency"]:
             runs = []
             for _ in range(repeats):
                 prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
-                streams = await asyncio.gather(*(stream_completion(client, p, gen) for p in prompts))
+                streams = await asyncio.gather(*(complete(p, gen) for p in prompts))
                 wall = max(s.ended for s in streams) - min(s.started for s in streams)
                 runs.append(sum(s.tokens for s in streams) / wall)
             aggregate[str(concurrency)] = statistics.median(runs)
@@ -186,6 +192,7 @@ def build_spec(args: argparse.Namespace) -> dict:
         # One different last token per concurrent stream, so no two streams are the same request.
         "distinct_ids": ids[16 : 16 + max(args.concurrency)],
         "gen_tokens": args.gen_tokens,
+        "sampling": SAMPLING[args.sampling],
         "repeats": args.repeats,
         "concurrency": args.concurrency,
         "threads": args.threads,
@@ -245,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     result: dict = {
         "machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype,
-        "worker_flags": args.worker_flag,
+        "worker_flags": args.worker_flag, "sampling": args.sampling,
     }  # fmt: skip
     if args.device.startswith("cuda"):
         result["read_bandwidth_gb_s"] = read_bandwidth(args.device) / 1e9
@@ -286,7 +293,8 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     flags = "".join(f"_{flag.lstrip('-').replace('=', '_')}" for flag in args.worker_flag)
     streams = "" if args.concurrency == CONCURRENCY else "_c" + "-".join(map(str, args.concurrency))
-    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{flags}{streams}_{name}"
+    sampling = "" if args.sampling == "greedy" else f"_{args.sampling}"
+    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{flags}{streams}{sampling}_{name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
     return 0
