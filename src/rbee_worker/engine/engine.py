@@ -36,6 +36,7 @@ import torch
 from rbee_worker.devices import tensor_bytes
 from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.compiled import compile_model, uncompile_model
+from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.detokenizer import Detokenizer
@@ -154,29 +155,19 @@ class Engine:
     """
 
     def __init__(
-        self,
-        load: Callable[[], LoadedModel],
-        *,
-        deterministic: bool = False,
-        max_batch: int = 16,
-        max_queue: int = 64,
-        prefill_chunk: int = 512,
-        kv_cache_bytes: int | None = None,
-        cuda_graphs: bool = True,
-        compile_model: bool = False,
-        observer: EngineObserver | None = None,
+        self, load: Callable[[], LoadedModel], config: EngineConfig | None = None, observer: EngineObserver | None = None
     ) -> None:
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError("max_batch must be at least 1 and max_queue at least 0")
-        self.deterministic = deterministic
-        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self._kv_cache_bytes = kv_cache_bytes  # None: sized from the memory left after the weights
+        config = config or EngineConfig()
+        self.config = config
+        self.deterministic = config.deterministic
+        self.max_batch, self.max_queue, self.prefill_chunk = config.max_batch, config.max_queue, config.prefill_chunk
+        self._kv_cache_bytes = config.kv_cache_bytes  # None: sized from the memory left after the weights
         # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
-        self._use_cuda_graphs = cuda_graphs and not deterministic
+        self._use_cuda_graphs = config.cuda_graphs and not config.deterministic
         self._graphs: DecodeGraphs | None = None
         self._pending: _Launched | None = None  # a graph decode step whose tokens the host has not taken yet
         self._prefill_graphs: PrefillGraphs | None = None  # first prompt chunks, for the plain (uncompiled) forward
-        self._compile = compile_model  # the forward through torch.compile (inside the CUDA graphs on a GPU)
+        self._compile = config.compile_model  # the forward through torch.compile (inside the CUDA graphs on a GPU)
         self._observer = observer or _NoObserver()
         self._load = load
         self._loaded: LoadedModel | None = None

@@ -1,0 +1,20 @@
+"""The engine's settings: one object, built once from the command line (or by a test) and read by every part."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    deterministic: bool = False  # batch invariance: a request's tokens do not depend on what else runs
+    max_batch: int = 16  # requests that hold a KV slot and run at once
+    max_queue: int = 64  # admitted requests that may wait for a slot; beyond both the engine refuses (EngineBusy)
+    prefill_chunk: int = 512  # prompt tokens per round, over all prefilling requests
+    kv_cache_bytes: int | None = None  # None: sized from the memory left after the weights
+    cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
+    compile_model: bool = False  # the forward through torch.compile
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_queue < 0:
+            raise ValueError("max_batch must be at least 1 and max_queue at least 0")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
