@@ -210,7 +210,8 @@ def assert_launched_ahead_as_waiting(waiting, ahead, prompts: Sequence[str]) -> 
     expected = [*reference[:4], run_mixed_traffic(waiting, prompts, stop)[4], *reference[4:]]
     assert expected[4][1] == "STOP_SEQUENCE" and len(expected[4][0]) < len(reference[2][0])
     chained: list[list[bool]] = []
-    launch = ahead._graphs.launch
-    ahead._graphs.launch = lambda *args: chained.append(args[3]) or launch(*args)
+    graphs = ahead._runner.graphs
+    launch = graphs.launch
+    graphs.launch = lambda *args: chained.append(args[3]) or launch(*args)
     assert run_mixed_traffic(ahead, prompts, stop) == expected
     assert any(any(rows) for rows in chained)

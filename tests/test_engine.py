@@ -12,7 +12,9 @@ from conftest import assert_launched_ahead_as_waiting, submit_together
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine import cuda_graphs
+from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
+from rbee_worker.engine.runner import ModelRunner
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
 from rbee_worker.models.loader import load_model
@@ -178,14 +180,15 @@ def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) ->
         solo = [run(engine, r)[2] for r in requests]
         rows: list[int] = []
         prefilling = threading.Event()
-        forward = engine._prompt_forward
+        runner = engine._runner
+        forward = runner._prompt_forward
 
-        def spy(slots: list[int], pieces: list) -> object:
-            rows.append(len(slots))
+        def spy(prompt_rows: list) -> object:
+            rows.append(len(prompt_rows))
             prefilling.set()
-            return forward(slots, pieces)
+            return forward(prompt_rows)
 
-        engine._prompt_forward = spy  # type: ignore[method-assign]
+        runner._prompt_forward = spy  # type: ignore[method-assign]
         long_prompt = engine.tokenize(STORY * 40)[:500]  # one forward of about a second here
         blocker = queue.SimpleQueue()
         engine.submit(Request(long_prompt, max_tokens=1, sampling=GREEDY), blocker.put)
@@ -212,7 +215,9 @@ def test_same_request_id_twice_is_refused(engine: Engine) -> None:
 def test_slots_then_queue_then_busy(demo_gguf: Path) -> None:
     """max_batch requests run, max_queue wait (Started at once, first token only after a slot frees), the next is
     refused with EngineBusy; all admitted ones finish."""
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), max_batch=2, max_queue=1)
+    engine = Engine(
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), EngineConfig(max_batch=2, max_queue=1)
+    )
     try:
         prompt = engine.tokenize(STORY)
         streams = [queue.SimpleQueue() for _ in range(3)]
@@ -316,19 +321,18 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engines made in the test run their decode steps through DecodeGraphs on the CPU (see ReplayedStep)."""
     caches = []
 
-    def prepare(engine: Engine, loaded) -> None:
-        caches.append(engine._cache)
-        with torch.inference_mode():
-            engine._warm_up(graphs=True)
+    def prepare(runner: ModelRunner) -> None:
+        if runner.config.cuda_graphs:
+            caches.append(runner.cache)
+            with torch.inference_mode():
+                runner.warm_up(graphs=True)
 
     def capture(step, pool):
         outputs = step()
         return ReplayedStep(step, outputs, caches[-1]), outputs
 
     zeros = torch.zeros
-    monkeypatch.setattr(
-        Engine, "_prepare_forward", lambda engine, loaded: prepare(engine, loaded) if engine._use_cuda_graphs else None
-    )
+    monkeypatch.setattr(ModelRunner, "_prepare_forward", prepare)
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     monkeypatch.setattr(torch, "zeros", lambda *args, pin_memory=False, **kwargs: zeros(*args, **kwargs))
     monkeypatch.setattr(
@@ -338,17 +342,20 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_decode_steps_launched_ahead_chain_tokens_as_waiting_for_each(demo_gguf: Path, cpu_graphs: None) -> None:
-    """The bookkeeping of decode steps launched before the host reads the previous one (engine._decode_graphs), run on
+    """The bookkeeping of decode steps launched before the host reads the previous one (Engine._decode_ahead), run on
     the CPU through DecodeGraphs (tests/test_cuda.py runs it on real CUDA graphs): every kind of request gets the tokens
     of an engine that waits for every step."""
     per_token = 2 * 30 * 3 * 64 * 4  # the demo model's float32 keys and values of one token, all layers
     engines = [
-        Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")), max_batch=8,
-               kv_cache_bytes=8 * 512 * per_token, cuda_graphs=graphs)
+        Engine(
+            lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")),
+            EngineConfig(max_batch=8, kv_cache_bytes=8 * 512 * per_token, cuda_graphs=graphs),
+        )
         for graphs in (False, True)
-    ]  # fmt: skip
+    ]
     try:
-        assert engines[0]._graphs is None and engines[1].loaded and engines[1]._graphs is not None
+        assert engines[0].loaded and engines[1].loaded
+        assert engines[0]._runner.graphs is None and engines[1]._runner.graphs is not None
         assert_launched_ahead_as_waiting(
             waiting=engines[0], ahead=engines[1], prompts=[STORY, "def add(a, b):", "Paris is"]
         )

@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, prefill_mask
-from rbee_worker.engine.sampling import greedy_rows
+from rbee_worker.engine.sampler import PACKED_WIDTH, SamplerFeatures, SamplerState, pack, sample
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_SPAN = 128
@@ -26,24 +26,28 @@ def bucket(value: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= value)
 
 
-Outputs = tuple[torch.Tensor, torch.Tensor]  # a decode graph's logits and each row's (largest logit, its id)
-
-
 class LaunchedStep:
-    """A decode step on its way through the GPU: `result` waits for it; `logits` are valid until the next launch."""
+    """A decode step on its way through the GPU: `result` waits for it."""
 
-    def __init__(self, logits: torch.Tensor, best: torch.Tensor, done: torch.cuda.Event) -> None:
-        self.logits, self._best, self._done = logits, best, done
+    def __init__(self, packed: torch.Tensor, done: torch.cuda.Event) -> None:
+        self._packed, self._done = packed, done
+
+    def __len__(self) -> int:
+        return self._packed.shape[0]
 
     def result(self) -> list[list[float]]:
-        """Each row's (largest logit, its token id), copied to the host once the step has run."""
+        """Each row's sampled outcome (sampler.pack's layout), copied to the host once the step has run."""
         self._done.synchronize()
-        return self._best.tolist()
+        return self._packed.tolist()
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype) -> None:
-        self.model, self.cache, self.cache_kwarg, self.dtype = model, cache, cache_kwarg, dtype
+    """Decode steps, each with the sampler after the forward, as graphs per (rows, span, sampler features)."""
+
+    def __init__(
+        self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype, state: SamplerState
+    ) -> None:
+        self.model, self.cache, self.cache_kwarg, self.dtype, self.state = model, cache, cache_kwarg, dtype, state
         device = cache.keys[0].device
         self.row_buckets = sorted({b for b in ROW_BUCKETS if b < cache.slots} | {cache.slots})
         spans, span = [], MIN_SPAN
@@ -59,40 +63,52 @@ class DecodeGraphs:
         self.inputs = torch.zeros(4, rows, dtype=torch.long, device=device)
         self.inputs[1] = cache.slot_len
         self.host_inputs = [torch.zeros(4, rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        self.host_best = [torch.zeros(rows, 2, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self.host_out = [torch.zeros(rows, PACKED_WIDTH, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self.done = [torch.cuda.Event() for _ in range(2)]
         self.launches = 0
         # Each row's token chosen by the latest step, written by the graph itself: a chained row reads its input token
         # here, so the step after can be launched before the host has seen this one's result.
         self.chosen = torch.zeros(rows, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Outputs, torch.Tensor]] = {}
+        self.slots = torch.arange(rows, device=device)  # a graph step's rows are slots 0..rows-1
+        self.graphs: dict[
+            tuple[int, int, SamplerFeatures], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def warm_up(self, max_span: int) -> None:
-        """Capture every batch bucket for the spans up to max_span, so that no request pays for a capture."""
+    def warm_up(self, max_span: int, features: list[SamplerFeatures]) -> None:
+        """Capture every batch bucket for the spans up to max_span with each of `features`, so that no request of
+        those kinds pays for a capture."""
         for rows in self.row_buckets:
             for span in self.span_buckets:
                 if span <= max(max_span, MIN_SPAN):
-                    self._graph(rows, span)
+                    for kind in features:
+                        self._graph(rows, span, kind)
 
     def shape(self, count: int, longest: int) -> tuple[int, int]:
         """The (rows, span) bucket of a step over `count` rows whose longest attends to `longest` positions."""
         return bucket(count, self.row_buckets), bucket(longest, self.span_buckets)
 
-    def captured(self, count: int, longest: int) -> bool:
-        return self.shape(count, longest) in self.graphs
+    def captured(self, count: int, longest: int, features: SamplerFeatures) -> bool:
+        return (*self.shape(count, longest), features) in self.graphs
 
-    def launch(self, tokens: list[int], positions: list[int], lengths: list[int], chained: list[bool]) -> LaunchedStep:
+    def launch(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        lengths: list[int],
+        chained: list[bool],
+        features: SamplerFeatures,
+    ) -> LaunchedStep:
         """Start one decode step over cache rows 0..len(tokens)-1 (as the eager forward) without waiting for it. A
-        chained row takes as its token the one the previous step chose for it (greedy), not tokens[row]. The step's
-        result holds each row's largest logit and its token id, computed inside the graph (ids are exact in float32
-        up to 2**24): greedy rows need that alone, one small copy to the host.
+        chained row takes as its token the one the previous step chose for it, not tokens[row]. The sampler runs inside
+        the graph, so a step's result is each row's chosen token (and the logprobs asked for), one small copy to the
+        host; rows of length 0 (no sequence) leave the sampler's state untouched.
 
         A step whose graph is not captured yet is captured first, which runs the forward once and so overwrites the
-        chosen tokens: chain only onto a step of a captured shape."""
+        chosen tokens: chain only onto a step of a captured graph."""
         count = len(tokens)
         rows, span = self.shape(count, max(lengths))
-        graph, (logits, best), _ = self._graph(rows, span)
+        graph, packed, _ = self._graph(rows, span, features)
         turn = self.launches % 2
         self.launches += 1
         pad = rows - count
@@ -104,15 +120,18 @@ class DecodeGraphs:
         host[3, :rows] = chained + [False] * pad
         self.inputs[:, :rows].copy_(self.host_inputs[turn][:, :rows], non_blocking=True)
         graph.replay()
-        self.host_best[turn][:count].copy_(best[:count], non_blocking=True)
+        self.host_out[turn][:count].copy_(packed[:count], non_blocking=True)
         self.done[turn].record()
-        return LaunchedStep(logits[:count], self.host_best[turn][:count], self.done[turn])
+        return LaunchedStep(self.host_out[turn][:count], self.done[turn])
 
-    def _graph(self, rows: int, span: int) -> tuple[torch.cuda.CUDAGraph, Outputs, torch.Tensor]:
-        """The graph, its outputs (see launch), and the cache's row index it reads (kept alive: a graph reads fixed
-        addresses)."""
-        if (rows, span) in self.graphs:
-            return self.graphs[rows, span]
+    def _graph(
+        self, rows: int, span: int, features: SamplerFeatures
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        """The graph, its packed sampler output (see launch), and the cache's row index it reads (kept alive: a graph
+        reads fixed addresses)."""
+        key = (rows, span, features)
+        if key in self.graphs:
+            return self.graphs[key]
         inputs = self.inputs[:, :rows]
         # Harmless inputs while capturing: every row writes the scratch position and reads position 0.
         inputs.zero_()
@@ -120,7 +139,7 @@ class DecodeGraphs:
         positions = inputs[1, :, None]
         self.cache.prepare(0, positions, span)  # also zeroes the cache up to `span`
 
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
+        def step() -> torch.Tensor:
             tokens = torch.where(inputs[3] != 0, self.chosen[:rows], inputs[0])
             output = self.model(
                 input_ids=tokens[:, None],
@@ -130,14 +149,13 @@ class DecodeGraphs:
                 logits_to_keep=1,
                 **{self.cache_kwarg: self.cache},
             )
-            logits = output.logits[:, -1]
-            best = greedy_rows(logits)
-            self.chosen[:rows].copy_(best[:, 1])  # exact: ids are whole numbers below 2**24
-            return logits, best
+            out = sample(output.logits[:, -1], self.state, self.slots[:rows], inputs[2] > 0, features)
+            self.chosen[:rows].copy_(out.tokens)
+            return pack(out)
 
-        graph, outputs = capture(step, self.pool)
-        self.graphs[rows, span] = (graph, outputs, self.cache.row_index)
-        return self.graphs[rows, span]
+        graph, packed = capture(step, self.pool)
+        self.graphs[key] = (graph, packed, self.cache.row_index)
+        return self.graphs[key]
 
 
 class PrefillGraphs:

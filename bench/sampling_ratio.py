@@ -1,0 +1,93 @@
+"""Sampled traffic against greedy traffic on one worker process: what a chat client's settings cost.
+
+One `rbee-worker serve` process, measured through /v1/completions (streamed, as `rbee-worker bench` does) with each
+sampling mode in turn: single-stream decode tokens/s and aggregate tokens/s at each --concurrency, every ratio taken
+against greedy in the same run. Optionally transformers' continuous batching (`--peer-cb`) at the highest concurrency,
+greedy, in the same call.
+
+    python bench/sampling_ratio.py --model demo --device cpu --concurrency 1,16
+    python bench/sampling_ratio.py --model /tmp/m8b --device cuda --dtype bfloat16 --concurrency 1,64 --peer-cb
+"""
+
+import argparse
+import asyncio
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from rbee_worker.benchmark.run import build_spec, machine, measure_worker, run_peer, start_worker
+
+CHAT = {"temperature": 0.7, "top_p": 0.9}
+MODES = {
+    "greedy": {"temperature": 0.0},
+    "chat": CHAT,
+    "chat+top_k50": CHAT | {"top_k": 50},
+    "chat+repetition1.1": CHAT | {"repetition_penalty": 1.1},
+    "chat+logprobs5": CHAT | {"logprobs": 5},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the peer")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--worker-flag", action="append", default=[])
+    parser.add_argument("--peer-cb", action="store_true", help="transformers' continuous batching, greedy")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/sampling"))
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.sampling = "greedy"
+    spec = build_spec(args)
+    modes = args.modes.split(",")
+    result: dict = {"machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype,
+                    "worker_flags": args.worker_flag, "modes": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        log_path = Path(scratch) / "worker.log"
+        process, url, startup_s = start_worker(args, log_path)
+        try:
+            for mode in modes:
+                figures = asyncio.run(measure_worker(url, spec | {"sampling": MODES[mode]}))
+                result["modes"][mode] = figures
+                print(mode, json.dumps({k: figures[k] for k in ("decode_tok_s", "aggregate_tok_s")}), flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    result["startup_s"] = startup_s
+    greedy = result["modes"]["greedy"]
+    lines = ["| mode | decode tok/s | x greedy | " + " | ".join(f"agg@{c} | x greedy" for c in args.concurrency) + " |"]
+    lines.append("|" + "---|" * (3 + 2 * len(args.concurrency)))
+    for mode, figures in result["modes"].items():
+        cells = [mode, f"{figures['decode_tok_s']:.1f}", f"{figures['decode_tok_s'] / greedy['decode_tok_s']:.3f}"]
+        for c in map(str, args.concurrency):
+            agg = figures["aggregate_tok_s"][c]
+            cells += [f"{agg:.0f}", f"{agg / greedy['aggregate_tok_s'][c]:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if args.peer_cb:
+        top = max(args.concurrency)
+        peer = run_peer("transformers-cb", args, spec | {"concurrency": [top]})
+        result["transformers-cb"] = peer
+        if "aggregate_tok_s" in peer:
+            ratio = greedy["aggregate_tok_s"][str(top)] / peer["aggregate_tok_s"][str(top)]
+            result["greedy_over_transformers_cb"] = ratio
+            lines.append(f"\ntransformers continuous batching at {top}: {peer['aggregate_tok_s'][str(top)]:.0f} tok/s "
+                         f"(rbee-worker greedy {ratio:.1f}x)")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    machine_name = result["machine"].get("gpu") or result["machine"]["cpu"]
+    name = "_".join(re.sub(r"\(R\)|\(TM\)|[^\w.-]", " ", machine_name).split())
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"sampling_ratio_{Path(args.model).stem}_{args.device.replace(':', '')}_{name}"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

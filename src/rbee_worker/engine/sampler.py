@@ -1,0 +1,372 @@
+"""Token sampling where the logits are (CPU, CUDA, MPS), for all rows of a step at once.
+
+The semantics are those of `sampling.py` (Hugging Face's order: penalties, greedy shortcut, temperature, top-k, top-p,
+min-p, draw; see its docstring). Everything here is tensor operations of static shape that never wait for the host:
+no `.item()`, no data-dependent shape, no Python branch on a tensor's value. So `sample` can be captured in a CUDA
+graph with the model's forward, and a step's chosen tokens can feed the next step on the device. Which stages run is
+static (SamplerFeatures: a graph per value); each row's parameters and state live in device tensors (SamplerState).
+
+A row, all on the device:
+
+1. Logits mask (structured output): disallowed tokens -> -inf. Penalties on the logits. Greedy rows take the argmax
+   (torch.max: the first maximum, i.e. the lowest id).
+2. d = (max - x) / T >= 0 (how far below the top token, in scaled nats); e = exp(-d), 1 for the top token; integer
+   weights w = floor(e * 2**40) (int64). Integer sums are exact in any order, so a row's draw depends neither on the
+   batch around it nor on the device's reduction order. A token with e < 2**-40 (probability below 1e-12 of the top
+   token's) has weight 0 and is never drawn.
+3. Top-k: the k-th smallest d by a radix select over d's float bits (non-negative floats order like their bits): 4
+   passes of 8-bit digits from the most significant, each a per-row histogram (scatter_add into 256 bins) of the
+   tokens that share the digits found so far, whose cumulative sum picks the next digit. Tokens with d <= the k-th
+   are kept, ties included, as TopKLogitsWarper does.
+4. Top-p over the top-k survivors: the same select weighted by w finds the cut d, where the mass of the tokens before
+   it (more likely ones) first exceeds top_p * their total. Keeping the lowest ids of a tie that straddles the cut,
+   a token is kept iff the mass before it (more likely tokens, then tied ones of lower id) is < top_p * total, the
+   TopPLogitsWarper rule; the most likely token always is. All in integers: top_p is a 53-bit fixed-point fraction.
+5. Min-p: keep e >= min_p (e is the probability relative to the top token's).
+6. Draw: the cumulative sum of the kept weights in token-id order, target = floor(u * total) for the row's uniform
+   u = k / 2**53, and the first token whose cumulative weight exceeds it (searchsorted, right=True).
+
+Ties in top-k / top-p are ties of d, i.e. of the temperature-scaled logits (as in transformers), not of probabilities.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rbee_worker.engine.sampling import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
+# pack's row layout: token, valid, logprob, then (id, logprob) of the MAX_TOP_LOGPROBS most likely tokens.
+PACKED_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS
+MAX_VOCAB = 2**19  # keeps sums of weights below 2**59 (_scale_by) and token ids exact in pack's float32
+_WEIGHT_ONE = 2.0**40  # the top token's weight
+_FRACTION_BITS = 53  # top_p and the uniform numbers are integers over 2**53
+_IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
+_FLOAT32 = torch.finfo(torch.float32)
+# SplitMix64 (Steele, Lea, Flood 2014), as signed 64-bit constants: torch's int64 multiplication wraps.
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
+
+
+def check_seed(seed: int) -> int:
+    """The seed, if the API accepts it (0..2**64-1; every bit counts)."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
+    return seed
+
+
+@dataclass(frozen=True)
+class SamplerFeatures:
+    """Which stages a step runs: static and hashable, as a CUDA graph is captured per value. Temperature and min-p
+    are cheap elementwise operations, part of every sampled step."""
+
+    sampling: bool = False  # some row draws at random (temperature >= GREEDY_BELOW); off: every row is greedy
+    penalties: bool = False  # some row has a repetition, presence or frequency penalty
+    filters: bool = False  # some sampled row has top_p < 1 or top_k (implies `sampling`): the top-p stage
+    top_k: bool = False  # some sampled row has top_k (implies `filters`): the top-k stage before top-p
+    masks: bool = False  # some row has a logits mask (SamplerState.set_mask)
+    top_logprobs: int = -1  # -1: no logprobs; n >= 0: the chosen token's logprob and the n most likely, every row
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in -1..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        # One value per set of stages that run, so that equal steps share a graph.
+        object.__setattr__(self, "filters", self.filters or self.top_k)
+        object.__setattr__(self, "sampling", self.sampling or self.filters)
+
+    @staticmethod
+    def of(requests: Iterable[tuple[SamplingParams, int | None]], masks: bool = False) -> "SamplerFeatures":
+        """What a step over these (params, top-logprobs request) needs; `masks`: whether any row has a mask."""
+        sampling = penalties = filters = top_k = False
+        top_logprobs = -1
+        for params, logprobs in requests:
+            sampled = not params.is_greedy()
+            sampling |= sampled
+            filters |= sampled and params.top_p < 1.0
+            top_k |= sampled and params.top_k > 0
+            penalties |= (
+                params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            )
+            if logprobs is not None:
+                top_logprobs = max(top_logprobs, logprobs)
+        return SamplerFeatures(sampling, penalties, filters, top_k, masks, top_logprobs)
+
+
+class SamplerState:
+    """Per-slot sampling state in device tensors: the parameters, the 64-bit seed and draw counter, the token counts
+    for the penalties, and the logits mask. `sample` reads the rows of its slots and advances the live ones."""
+
+    def __init__(self, slots: int, vocab_size: int, device: torch.device | str) -> None:
+        if not 0 < vocab_size <= MAX_VOCAB:
+            raise ValueError(f"vocab_size must be in 1..{MAX_VOCAB}, got {vocab_size}")
+        self.slots, self.vocab_size, self.device = slots, vocab_size, torch.device(device)
+
+        def zeros(dtype: torch.dtype, *size: int) -> torch.Tensor:
+            return torch.zeros(slots, *size, dtype=dtype, device=self.device)
+
+        self.greedy = zeros(torch.bool)
+        self.temperature = zeros(torch.float32)  # 1 for greedy rows, whose sampled path is computed and discarded
+        self.top_k = zeros(torch.long)  # vocab_size when off
+        self.top_p = zeros(torch.long)  # top_p * 2**53, rounded
+        self.min_p = zeros(torch.float32)
+        self.repetition = zeros(torch.float32)
+        self.presence = zeros(torch.float32)
+        self.frequency = zeros(torch.float32)
+        self.seed = zeros(torch.long)  # the 64-bit seed, two's complement
+        self.counter = zeros(torch.long)  # the slot's draws so far
+        # Generated-token counts per (slot, token), plus _IN_PROMPT for the prompt's tokens (repetition penalty).
+        self.counts = zeros(torch.int32, vocab_size)
+        # Allowed tokens, a bit each: word j's bit b is token 32 * j + b. All ones: no mask.
+        self.allowed = torch.full((slots, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=self.device)
+        self._bits = torch.arange(32, dtype=torch.int32, device=self.device)
+
+    def assign(self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int]) -> None:
+        """A new request takes the slot: its parameters and seed, no draws or generated tokens yet, its prompt ids
+        marked for the repetition penalty (prompt ids past the vocabulary are ignored, as transformers does), no
+        mask."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be in 0..{self.slots - 1}, got {slot}")
+        check_seed(seed)
+        greedy = params.is_greedy()
+        self.greedy[slot] = greedy
+        self.temperature[slot] = 1.0 if greedy else params.temperature
+        self.top_k[slot] = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
+        self.top_p[slot] = round(params.top_p * 2**_FRACTION_BITS)
+        self.min_p[slot] = params.min_p
+        # A penalty below float32's smallest normal number would be 0 there, and 0 / 0 is NaN.
+        self.repetition[slot] = max(params.repetition_penalty, _FLOAT32.tiny)
+        self.presence[slot] = params.presence_penalty
+        self.frequency[slot] = params.frequency_penalty
+        self.seed[slot] = seed - 2**64 if seed >= 2**63 else seed
+        self.counter[slot] = 0
+        self.counts[slot] = 0
+        if params.repetition_penalty != 1.0:
+            ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+            if ids.numel() and int(ids.min()) < 0:
+                raise ValueError("token ids must be >= 0")
+            self.counts[slot, ids[ids < self.vocab_size].to(self.device)] = _IN_PROMPT
+        self.allowed[slot] = -1
+
+    def set_mask(self, slot: int, allowed: torch.Tensor | None) -> None:
+        """The tokens the slot may draw from its next draw on, until replaced: a packed bitmask (int32 words,
+        ceil(vocab / 32), bit b of word j for token 32 * j + b, the layout of xgrammar's token bitmask); None allows
+        every token. Steps that should honour masks need `SamplerFeatures.masks`."""
+        if allowed is None:
+            self.allowed[slot] = -1
+        elif allowed.dtype != torch.int32 or allowed.shape != self.allowed.shape[1:]:
+            shape = tuple(self.allowed.shape[1:])
+            raise ValueError(f"a mask is int32 of shape {shape}, got {allowed.dtype} {tuple(allowed.shape)}")
+        else:
+            self.allowed[slot].copy_(allowed)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [rows] int64, the chosen ids
+    valid: torch.Tensor  # [rows] bool: False when the row's logits give no distribution (NaN, +inf, all -inf)
+    logprob: torch.Tensor | None  # [rows] float32: the chosen token's log_softmax of the raw logits (vLLM's default)
+    top_ids: torch.Tensor | None  # [rows, n] int64, most likely first
+    top_logprobs: torch.Tensor | None  # [rows, n] float32
+
+
+def sample(
+    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, live: torch.Tensor, features: SamplerFeatures
+) -> SampleOutput:
+    """One token per row. `logits`: [rows, vocab], any float dtype; `slots`: [rows] int64, each row's slot in `state`;
+    `live`: [rows] bool, the rows that really decode. Each live row with valid logits advances its slot: the draw
+    counter, and with `features.penalties` the chosen token's count, so that a chained step sees them. Padding rows
+    read their slot's state but leave it untouched."""
+    raw = logits.float()
+    x, top, best, valid = _scores(raw, state, slots, features)
+    tokens = best
+    if features.sampling:
+        cumulative = _kept_weights(x, top, state, slots, features).cumsum_(1)
+        total = cumulative[:, -1:]
+        target = _scale_by(uniform(state.seed[slots], state.counter[slots])[:, None], total)
+        drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_(max=state.vocab_size - 1)
+        tokens = torch.where(state.greedy[slots], best, drawn)
+    advance = live & valid
+    state.counter.scatter_add_(0, slots, advance.long())
+    if features.penalties:
+        state.counts.view(-1).scatter_add_(0, slots * state.vocab_size + tokens, advance.int())
+    if features.top_logprobs < 0:
+        return SampleOutput(tokens, valid, None, None, None)
+    normalizer = torch.logsumexp(raw, 1, keepdim=True)
+    top_values, top_ids = raw.topk(features.top_logprobs, 1)
+    logprob = (raw.gather(1, tokens[:, None]) - normalizer).squeeze(1)
+    return SampleOutput(tokens, valid, logprob, top_ids, top_values - normalizer)
+
+
+def probabilities(
+    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, features: SamplerFeatures
+) -> torch.Tensor:
+    """The distributions `sample` draws from, [rows, vocab] float32, by the same code (for tests): the kept weights
+    over their total; one-hot on the argmax for greedy rows; zeros for invalid rows. Reads the state only."""
+    x, top, best, valid = _scores(logits.float(), state, slots, features)
+    probs = torch.zeros_like(x).scatter_(1, best[:, None], 1.0)
+    if features.sampling:
+        weights = _kept_weights(x, top, state, slots, features).float()
+        probs = torch.where(state.greedy[slots][:, None], probs, weights / weights.sum(1, keepdim=True))
+    return torch.where(valid[:, None], probs, 0.0)
+
+
+def pack(out: SampleOutput) -> torch.Tensor:
+    """The output as one float32 [rows, PACKED_WIDTH] tensor (token ids are exact in float32), for one copy to the
+    host: token, valid, logprob, then (id, logprob) pairs, most likely first; zeros where not computed."""
+    packed = torch.zeros(out.tokens.shape[0], PACKED_WIDTH, dtype=torch.float32, device=out.tokens.device)
+    packed[:, 0] = out.tokens
+    packed[:, 1] = out.valid
+    if out.logprob is not None:
+        n = out.top_ids.shape[1]
+        packed[:, 2] = out.logprob
+        packed[:, 3 : 3 + 2 * n : 2] = out.top_ids
+        packed[:, 4 : 4 + 2 * n : 2] = out.top_logprobs
+    return packed
+
+
+def unpack(row: Sequence[float], logprobs: int | None) -> tuple[int, bool, float | None, tuple[tuple[int, float], ...]]:
+    """A row of `pack` on the host: (token, valid, logprob, top pairs), the logprobs only if asked for (`logprobs`:
+    the request's number of alternatives, or None)."""
+    token, valid = int(row[0]), row[1] != 0.0
+    if logprobs is None:
+        return token, valid, None, ()
+    return token, valid, row[2], tuple((int(row[3 + 2 * i]), row[4 + 2 * i]) for i in range(logprobs))
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The uniform number of each row's draw number `counter` (0, 1, ...) of its stream `seed` (int64 tensors, seeds
+    as two's complement), as an int64 k in [0, 2**53): the number is k / 2**53, kept an integer for the draw's exact
+    integer arithmetic (MPS has no float64). It is SplitMix64's output number counter + 1 from the state
+    mix(seed): mix(mix(seed) + (counter + 1) * GAMMA), top 53 bits. A function of (seed, counter) alone, so a
+    row's draws do not depend on the batch; every bit of the seed counts; mixing the seed first keeps the streams of
+    nearby seeds apart (SplitMix64's streams from seeds s and s + GAMMA would be one stream shifted by one)."""
+    return _shift_right(_mix(_mix(seeds) + (counters + 1) * _GAMMA), 64 - _FRACTION_BITS)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function, a bijection of 64-bit values."""
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    return z ^ _shift_right(z, 31)
+
+
+def _scale_by(fraction: torch.Tensor, n: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """floor((fraction * n + offset) / 2**53), exactly, for 0 <= fraction <= 2**53, 0 <= n < 2**59, offset 0 or -1.
+    The product needs up to 112 bits: with fraction = a * 2**27 + b and n = c * 2**30 + d, it is
+    a*c * 2**57 + a*d * 2**27 + b*c * 2**30 + b*d, whose partial products fit in int64 and are shifted down in turn
+    (floor((m + y) / q) = floor((m + floor(y)) / q) for an integer m; >> floors negative values too)."""
+    a, b = fraction >> 27, fraction & (2**27 - 1)
+    c, d = n >> 30, n & (2**30 - 1)
+    low = a * d + ((b * c) << 3) + ((b * d + offset) >> 27)
+    return ((a * c) << 4) + (low >> 26)
+
+
+def _scores(
+    raw: torch.Tensor, state: SamplerState, slots: torch.Tensor, features: SamplerFeatures
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The masked and penalized float32 logits, their row maxima and argmaxes (greedy tokens), and which rows are
+    valid: no NaN or +inf among the (masked) logits, and not every token -inf (after the penalties too)."""
+    if raw.shape[1] != state.vocab_size:
+        raise ValueError(f"logits have {raw.shape[1]} columns for a vocabulary of {state.vocab_size}")
+    x = raw
+    if features.masks:
+        words = state.allowed[slots]
+        bits = (words[:, :, None] >> state._bits) & 1
+        x = x.masked_fill(bits.view(words.shape[0], -1)[:, : state.vocab_size] == 0, -torch.inf)
+    top, best = x.max(1)  # NaN propagates into the maximum
+    valid = (top > -torch.inf) & (top < torch.inf)
+    if features.penalties:
+        x = _penalized(x, state, slots)
+        top, best = x.max(1)
+        valid &= top > -torch.inf
+    return x, top, best, valid
+
+
+def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
+    """sampling.py's penalties, in the same float32 operations: the repetition penalty over the prompt and generated
+    tokens (positive logits / r, negative * r), then presence and frequency over generated ones; penalty overflow to
+    +inf is clamped to the largest float, which keeps the order and a valid softmax."""
+    counts = state.counts[slots]
+    generated = (counts & (_IN_PROMPT - 1)).float()
+    rep = state.repetition[slots][:, None]
+    x = torch.where(counts != 0, torch.where(x < 0, x * rep, x / rep), x)
+    penalty = state.frequency[slots][:, None] * generated + state.presence[slots][:, None] * (generated > 0)
+    return (x - penalty).clamp_(max=_FLOAT32.max)
+
+
+def _kept_weights(
+    x: torch.Tensor,
+    top: torch.Tensor,
+    state: SamplerState,
+    slots: torch.Tensor,
+    features: SamplerFeatures,
+) -> torch.Tensor:
+    """Each token's integer weight, floor(2**40 * its probability relative to the top token's), where temperature,
+    top-k, top-p and min-p keep it, else 0. An invalid row's garbage (NaN) never gets a weight, and every index
+    computed from it stays in range. In-place operations where they can: on a CPU, fresh buffers of this size cost
+    more in page faults than the arithmetic."""
+    scaled = (x - top[:, None]).div_(state.temperature[slots][:, None])  # <= 0, as sampling.py computes it
+    # The bits of -scaled (>= 0: the sign bit cleared, so -0.0 is +0.0) order the tokens from the most likely.
+    keys = scaled.view(torch.int32).long().bitwise_and_(0x7FFFFFFF) if features.filters else None
+    relative = scaled.exp_()
+    keep = relative >= state.min_p[slots][:, None]  # False for NaN
+    weights = relative.mul_(_WEIGHT_ONE).long()
+    if keys is not None:
+        keep &= _top_k_top_p(keys, weights, state, slots, features.top_k)
+    return weights.mul_(keep)
+
+
+def _top_k_top_p(
+    keys: torch.Tensor, weights: torch.Tensor, state: SamplerState, slots: torch.Tensor, top_k: bool
+) -> torch.Tensor:
+    """Which tokens top-k (if `top_k`) then top-p keep; `keys`: [rows, vocab] int64 in 0..2**31-1, smaller for more
+    likely tokens. Zeroes the weights of the tokens top-k drops."""
+    high, low = keys >> 16, keys & 0xFFFF
+    if top_k:
+        ones = torch.ones((), dtype=torch.long, device=keys.device).expand_as(weights)
+        kth, _ = _radix_select(high, low, ones, state.top_k[slots][:, None])
+        weights.mul_(keys <= kth)
+    total = weights.sum(1, keepdim=True)
+    # A token is kept iff the mass before it is < top_p * total, i.e. <= `mass` (integers): floor((q * total - 1)
+    # / 2**53) for top_p = q / 2**53. At least 0: the most likely token (mass 0 before it) is always kept.
+    mass = _scale_by(state.top_p[slots][:, None], total, -1).clamp_(min=0)
+    cut, before_cut = _radix_select(high, low, weights, torch.minimum(mass + 1, total))
+    # Tokens tied at the cut go by id, the lower ids first: one is kept iff the tied ones before it weigh at most
+    # what is left of `mass` (their cumulative weight, shifted by one column: the weight before each).
+    tied = keys == cut
+    tied_before = torch.where(tied, weights, 0).cumsum_(1)
+    fits = torch.ones_like(tied)
+    fits[:, 1:] = tied_before[:, :-1] <= mass - before_cut
+    return (keys < cut) | (tied & fits)
+
+
+def _radix_select(
+    high: torch.Tensor, low: torch.Tensor, weights: torch.Tensor, need: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest key `cut` such that the keys <= cut weigh >= need ([rows, 1], 1..the row's total
+    weight), and the weight of the keys < cut; the keys given as their bits 16..30 (`high`) and 0..15 (`low`),
+    `weights` int64 >= 0, all [rows, vocab].
+
+    Two passes: a histogram of the weights by `high` (2**15 bins), whose cumulative sum gives the cut's high bits;
+    then one by `low` of the keys with those high bits. Outside weights are zeroed in the second pass rather than
+    sent to a spare bin, which on a GPU would make all their atomic adds hit one address."""
+    cut_high, before = _digit(high, weights, need, 15)
+    part = torch.where(high == cut_high, weights, 0)
+    cut_low, before_low = _digit(low, part, need - before, 16)
+    return (cut_high << 16) | cut_low, before + before_low
+
+
+def _digit(digits: torch.Tensor, weights: torch.Tensor, need: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """The smallest digit whose tokens, with those of the smaller digits, weigh >= need, and the weight of the
+    smaller digits. Clamped, so that garbage rows index in range."""
+    histogram = weights.new_zeros(weights.shape[0], 2**bits).scatter_add_(1, digits, weights)
+    cumulative = histogram.cumsum(1)
+    digit = torch.searchsorted(cumulative, need).clamp_(max=2**bits - 1)
+    return digit, cumulative.gather(1, digit) - histogram.gather(1, digit)
