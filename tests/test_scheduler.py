@@ -105,7 +105,7 @@ def test_eos_ends_without_counting_the_token(tokenizer: Tokenizer) -> None:
     h.run_prefill(h.scheduler.schedule())
     h.scheduler.accept(a, 2, None)
     h.scheduler.accept(a, EOS, None)
-    (request_id, end) = h.ended[0]
+    end = h.ended[0][1]
     assert isinstance(end, End) and end.stop_reason is StopReason.EOS and end.tokens_out == 2
     assert end.kv_cache_bytes == 2 * BYTES_PER_TOKEN  # the prompt's positions (the test ran no decode step)
     assert "".join(e.text for e in h.events["a"] if isinstance(e, Token)) == "a b"
