@@ -9,8 +9,10 @@ from conftest import assert_launched_ahead_as_waiting, greedy, make_tiny_model, 
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.compiled import is_compiled
+from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.kv_cache import decode_mask
+from rbee_worker.engine.runner import PromptRow
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request, Token
 from rbee_worker.models.int4_linear import Int4Linear
@@ -97,8 +99,7 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
     for graphs in (True, False):
         engine = Engine(
             functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
-            cuda_graphs=graphs,
-            compile_model=compile_model,
+            EngineConfig(cuda_graphs=graphs, compile_model=compile_model),
         )
         try:
             greedy_requests = [
@@ -106,8 +107,8 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
             ]
             results.append(submit_together(engine, greedy_requests, timeout=300))
             # The path under test really ran.
-            assert (engine._graphs is not None) is graphs
-            assert is_compiled(engine._model) is compile_model
+            assert (engine._runner.graphs is not None) is graphs
+            assert is_compiled(engine._runner.model) is compile_model
         finally:
             engine.close()
     assert results[0] == results[1]
@@ -120,9 +121,7 @@ def test_compiled_engine_compiles_nothing_after_ready(random_llama: Path) -> Non
     17-token prompts recompiled for seconds in an 8B bench)."""
     engine = Engine(
         functools.partial(load_model, str(random_llama), Placement(CUDA, torch.bfloat16)),
-        max_batch=4,
-        prefill_chunk=32,
-        compile_model=True,
+        EngineConfig(max_batch=4, prefill_chunk=32, compile_model=True),
     )
     try:
         assert is_compiled(engine.loaded.model)
@@ -143,7 +142,8 @@ def test_decode_steps_launched_ahead_give_the_tokens_of_waiting_for_each(random_
     logits, so rounding cannot flip a choice."""
     engines = {
         graphs: Engine(
-            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)), cuda_graphs=graphs
+            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
+            EngineConfig(cuda_graphs=graphs),
         )
         for graphs in (False, True)
     }
@@ -161,21 +161,20 @@ def test_first_prompt_chunks_replay_as_graphs_with_the_eager_logits(random_llama
     engines = [
         Engine(
             functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
-            cuda_graphs=graphs,
-            prefill_chunk=256,  # the model's context is 512: room for a prompt of two chunks
+            EngineConfig(cuda_graphs=graphs, prefill_chunk=256),  # the model's context is 512: room for two chunks
         )
         for graphs in (True, False)
     ]
     try:
         for engine in engines:
             engine.loaded  # noqa: B018 -- the graphs are captured while loading
-        graphs = engines[0]._prefill_graphs
-        assert graphs is not None and engines[1]._prefill_graphs is None
+        graphs = engines[0]._runner.prefill_graphs
+        assert graphs is not None and engines[1]._runner.prefill_graphs is None
         with torch.inference_mode():
             for count in (1, 15, 16, 17, 100, 256):
                 ids = [(7 * i + 3) % 1000 + 10 for i in range(count)]
-                replayed = engines[0]._prompt_forward([2], [(ids, 0)]).clone()
-                eager = engines[1]._prompt_forward([2], [(ids, 0)])
+                replayed = engines[0]._runner._prompt_forward([PromptRow(2, ids, 0, False)]).clone()
+                eager = engines[1]._runner._prompt_forward([PromptRow(2, ids, 0, False)])
                 torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
         assert sorted(graphs.graphs) == graphs.buckets  # warmed up before ready: no capture while serving
         long_prompt = [(5 * i + 1) % 1000 + 10 for i in range(400)]
@@ -192,15 +191,13 @@ def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
     engines = [
         Engine(
             functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
-            cuda_graphs=graphs,
-            max_batch=1,
-            kv_cache_bytes=200 * per_token,
+            EngineConfig(cuda_graphs=graphs, max_batch=1, kv_cache_bytes=200 * per_token),
         )
         for graphs in (True, False)
     ]
     try:
         assert engines[0].context_length == 200
-        assert engines[0]._prefill_graphs.buckets == [16, 32, 64, 128]
+        assert engines[0]._runner.prefill_graphs.buckets == [16, 32, 64, 128]
         for count in (150, 100):
             ids = [(3 * i + 2) % 1000 + 10 for i in range(count)]
             assert greedy(engines[0], ids, 16)[0] == greedy(engines[1], ids, 16)[0]
@@ -244,7 +241,7 @@ def test_quantized_model_decodes_with_graphs_as_eagerly(random_llama: Path, mode
     for graphs in (True, False):
         engine = Engine(
             functools.partial(load_model, str(random_llama), Placement(CUDA, torch.bfloat16), quantize=mode),
-            cuda_graphs=graphs,
+            EngineConfig(cuda_graphs=graphs),
         )
         try:
             model = engine.loaded.model

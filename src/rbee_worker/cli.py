@@ -278,35 +278,39 @@ def run_serve(args: argparse.Namespace) -> int:
     # through SystemExit: raised in the middle of an import, transformers' lazy modules turn it into an import error.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: exit_at_once(0))
+    from rbee_worker.config import WorkerConfig
     from rbee_worker.devices import resolve_placement
-    from rbee_worker.server import ServeSettings, serve
+    from rbee_worker.engine.config import EngineConfig
+    from rbee_worker.server import serve
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
-    settings = ServeSettings(
+    config = WorkerConfig(
+        engine=EngineConfig(
+            deterministic=args.deterministic,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+            cuda_graphs=args.cuda_graphs,
+            compile_model=compile_model(placement, args),
+        ),
         model=args.model,
-        model_ref=args.model_ref,
-        worker_id=args.worker_id,
-        host=args.host,
         placement=placement,
-        deterministic=args.deterministic,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        max_context=args.max_context,
         quantize=args.quantize,
-        kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
-        cuda_graphs=args.cuda_graphs,
-        compile_model=compile_model(placement, args),
+        max_context=args.max_context,
         chat_template=chat_template,
+        host=args.host,
+        api_token=token,
+        model_ref=args.model_ref,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
         unclaimed_job_timeout_s=args.unclaimed_job_timeout,
+        worker_id=args.worker_id,
         callback_url=args.callback_url,
         callback_timeout_s=args.callback_timeout,
         heartbeat_url=args.heartbeat_url,
         heartbeat_interval_s=args.heartbeat_interval,
-        api_token=token,
     )
-    serve(settings, sock)
+    serve(config, sock)
     return 0
 
 
@@ -330,14 +334,18 @@ def run_generate(args: argparse.Namespace) -> int:
     # Checked before the heavy imports below, so a typo fails at once.
     if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
         fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
+    from rbee_worker.api.requests import sampling_params
     from rbee_worker.devices import resolve_placement
+    from rbee_worker.engine.config import EngineConfig
     from rbee_worker.engine.engine import Engine
-    from rbee_worker.engine.sampling import SamplingParams
     from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
     from rbee_worker.models.loader import load_model
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
-    engine = Engine(lambda: load_model(args.model, placement, quantize=args.quantize), deterministic=args.deterministic)
+    engine = Engine(
+        lambda: load_model(args.model, placement, quantize=args.quantize),
+        EngineConfig(deterministic=args.deterministic),
+    )
     try:
         info = engine.loaded.info
         log.info(
@@ -358,15 +366,7 @@ def run_generate(args: argparse.Namespace) -> int:
         request = Request(
             prompt_ids=prompt_ids,
             max_tokens=args.max_tokens,
-            sampling=SamplingParams(
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty,
-            ),
+            sampling=sampling_params(args),
             seed=args.seed,
             stop=tuple(args.stop),
         )

@@ -8,7 +8,6 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 from types import FrameType
 
@@ -20,12 +19,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rbee_worker import __version__
+from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.metrics import Metrics, metrics_router
 from rbee_worker.api.middleware import AuthAndCorrelation
-from rbee_worker.api.native import WorkerState, native_router
-from rbee_worker.api.openai import ApiError, openai_router
+from rbee_worker.api.native import native_router
+from rbee_worker.api.openai import openai_router
+from rbee_worker.api.state import WorkerState
+from rbee_worker.config import WorkerConfig
 from rbee_worker.cpu_features import cpu_features
-from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.errors import RegistrationError
 from rbee_worker.listener import advertised_url
@@ -38,32 +39,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 CANCELLED_STREAMS_GRACE_S = 5.0  # after a drain cancels what is left, how long its streams get to send the end
 SHUTDOWN_GRACE_S = 5.0  # then how long uvicorn waits for connections to close
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    model: str
-    model_ref: str | None
-    worker_id: str | None
-    host: str  # for the URL reported to the pool manager; the socket is bound by the caller
-    placement: Placement
-    deterministic: bool
-    max_batch: int
-    max_queue: int
-    max_context: int | None
-    quantize: str  # none | int4
-    kv_cache_bytes: int | None  # None: sized from the memory left after the weights
-    cuda_graphs: bool
-    compile_model: bool
-    chat_template: str | None
-    drain_timeout_s: float
-    stall_timeout_s: float
-    unclaimed_job_timeout_s: float
-    callback_url: str | None
-    callback_timeout_s: float
-    heartbeat_url: str | None
-    heartbeat_interval_s: float
-    api_token: str | None  # LLORCH_API_TOKEN: when set, every route but GET /health needs it
 
 
 def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> FastAPI:
@@ -132,44 +107,26 @@ class _Server(uvicorn.Server):
         self.on_signal()
 
 
-def serve(settings: ServeSettings, sock: socket.socket) -> None:
+def serve(config: WorkerConfig, sock: socket.socket) -> None:
     """Run the worker until it is stopped: a drain (signal or POST /shutdown) ends in a normal return.
 
     Raises RegistrationError (exit 3) or ModelLoadError (exit 2) once the server has shut down.
     """
     port = sock.getsockname()[1]
-    worker_id = settings.worker_id or f"{socket.gethostname()}-{port}"
+    worker_id = config.worker_id or f"{socket.gethostname()}-{port}"
     progress = LoadProgress()
     metrics = Metrics()
     engine = Engine(
         lambda: load_model(
-            settings.model,
-            settings.placement,
-            progress,
-            settings.max_context,
-            settings.chat_template,
-            settings.quantize,
+            config.model, config.placement, progress, config.max_context, config.chat_template, config.quantize
         ),
-        deterministic=settings.deterministic,
-        max_batch=settings.max_batch,
-        max_queue=settings.max_queue,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        cuda_graphs=settings.cuda_graphs,
-        compile_model=settings.compile_model,
+        config.engine,
         observer=metrics,
     )
     metrics.watch(engine)
-    state = WorkerState(
-        engine=engine,
-        worker_id=worker_id,
-        model_spec=settings.model,
-        model_ref_flag=settings.model_ref,
-        progress=progress,
-        stall_timeout_s=settings.stall_timeout_s,
-        unclaimed_job_timeout_s=settings.unclaimed_job_timeout_s,
-    )
-    app = build_app(state, metrics, settings.api_token)
-    config = uvicorn.Config(
+    state = WorkerState(engine=engine, worker_id=worker_id, config=config, progress=progress)
+    app = build_app(state, metrics, config.api_token)
+    server_config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )
     failures: list[Exception] = []  # what stopped the worker, re-raised once the server is down
@@ -189,8 +146,8 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
     async def drain() -> None:
         """Stop admitting, let running jobs finish for up to --drain-timeout, cancel the rest, then stop."""
         state.draining = True
-        log.info("draining: %d job(s) in flight, waiting up to %.0f s", engine.in_flight, settings.drain_timeout_s)
-        await until(lambda: not state.busy(), settings.drain_timeout_s, hurry)
+        log.info("draining: %d job(s) in flight, waiting up to %.0f s", engine.in_flight, config.drain_timeout_s)
+        await until(lambda: not state.busy(), config.drain_timeout_s, hurry)
         if state.busy():
             log.warning("drain: cancelling %d job(s) still running", engine.in_flight)
             engine.cancel_all()
@@ -209,7 +166,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
             failures.append(exc)
             server.should_exit = True
             return
-        url = advertised_url(settings.host, port, settings.callback_url)
+        url = advertised_url(config.host, port, config.callback_url)
         log.info(
             "ready: %s on %s at %s (loaded in %.2f s, %.0f MiB of weights)",
             state.model_ref,
@@ -219,7 +176,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
             loaded.info.weight_bytes / 2**20,
             extra={"fields": {"worker_id": worker_id, "url": url, "weight_bytes": loaded.info.weight_bytes}},
         )
-        if settings.callback_url:
+        if config.callback_url:
             memory = engine.memory_bytes()
             payload = ReadyPayload(
                 worker_id=worker_id,
@@ -232,18 +189,18 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
                 cpu=cpu_features().describe(),
             )
             try:
-                await send_ready_callback(settings.callback_url, payload, timeout_s=settings.callback_timeout_s)
+                await send_ready_callback(config.callback_url, payload, timeout_s=config.callback_timeout_s)
             except RegistrationError as exc:  # the CLI turns it into exit 3 once the server is down
                 failures.append(exc)
                 server.should_exit = True
                 return
-        if settings.heartbeat_url:
+        if config.heartbeat_url:
 
             def status() -> HeartbeatStatus:
                 health = "degraded" if state.condition() == "unhealthy" else "healthy"  # draining shows in `state`
                 return HeartbeatStatus(worker_id, health, "draining" if state.draining else state.activity())
 
-            await heartbeat_loop(settings.heartbeat_url, settings.heartbeat_interval_s, status)
+            await heartbeat_loop(config.heartbeat_url, config.heartbeat_interval_s, status)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -259,7 +216,7 @@ def serve(settings: ServeSettings, sock: socket.socket) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    server = _Server(config, on_signal=lambda: asyncio.get_running_loop().call_soon_threadsafe(request_shutdown))
+    server = _Server(server_config, on_signal=lambda: asyncio.get_running_loop().call_soon_threadsafe(request_shutdown))
     try:
         asyncio.run(main())
     finally:

@@ -1,23 +1,31 @@
 """The worker's native API (CONTRACT.md §2): /health, /v1/ready, /v1/loading/progress, POST /execute, the job API,
 /cancel and /shutdown.
 
-Routes are thin: validate (api/validation.py), submit to the engine, and turn its events into SSE lines. Nothing here
-runs model code: the engine's thread does, and this module only talks to it through `Engine.astream`,
-`Engine.cancel` and its counters.
+Routes are thin: validate (api/validation.py), submit to the engine (api/admission.py), and turn its events into SSE
+lines; every refusal is answered by `native_error`. Nothing here runs model code: the engine's thread does, and this
+module only talks to it through `Engine.astream`, `Engine.cancel` and its counters.
 """
 
 import asyncio
 import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rbee_worker.api.admission import (
+    AdmissionError,
+    AllSlotsBusy,
+    Draining,
+    DuplicateJob,
+    Loading,
+    admit,
+    rendering_route,
+)
 from rbee_worker.api.native_schema import (
     CANCEL_BODY,
     EXECUTE_BODY,
@@ -32,13 +40,12 @@ from rbee_worker.api.native_schema import (
     ShutdownAccepted,
     sse_response_doc,
 )
+from rbee_worker.api.requests import sampling_params
+from rbee_worker.api.state import Job, WorkerState
 from rbee_worker.api.validation import FieldError, JobRequest, errors_body, parse_job_request
 from rbee_worker.cpu_features import cpu_features
-from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
-from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Started, StopReason, Token
 from rbee_worker.engine.types import Request as EngineRequest
-from rbee_worker.models.progress import LoadProgress
 
 log = logging.getLogger(__name__)
 
@@ -57,58 +64,16 @@ PROGRESS_URL = "/v1/loading/progress"
 PROGRESS_POLL_S = 0.1
 
 
-@dataclass
-class Job:
-    """An admitted job (already submitted to the engine); its events wait in `events` until its one reader comes."""
+class InvalidJob(Exception):
+    """A job request that fails validation, with every problem found (HTTP 400)."""
 
-    job_id: str
-    events: AsyncIterator[Event]
-    reader_attached: bool = False
-
-
-@dataclass
-class WorkerState:
-    engine: Engine
-    worker_id: str
-    model_spec: str  # MODEL as given
-    model_ref_flag: str | None = None  # --model-ref; None: the loaded model's own name
-    progress: LoadProgress = field(default_factory=LoadProgress)
-    stall_timeout_s: float = 120.0  # an engine with work and no finished step for this long is unhealthy
-    unclaimed_job_timeout_s: float = 60.0  # a job API job whose stream nobody opens is cancelled after this
-    request_shutdown: Callable[[], None] = lambda: None  # POST /shutdown; the server sets it
-    draining: bool = False
-    started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time: /v1/models' `created`
-    jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end
-    open_streams: int = 0  # SSE job streams being written
-
-    @property
-    def model_ref(self) -> str:
-        """--model-ref, else the model's own name, known from the moment the engine reports it loaded (so /health,
-        /v1/models and request checks never see MODEL in its place); MODEL as given before that."""
-        if self.model_ref_flag is not None:
-            return self.model_ref_flag
-        return self.engine.loaded.info.name if self.engine.is_loaded else self.model_spec
-
-    def condition(self) -> str:
-        """loading, draining, unhealthy or healthy: what /health, /v1/ready and the heartbeat report."""
-        if not self.engine.is_loaded:
-            return "draining" if self.draining else "loading"
-        if self.draining:
-            return "draining"
-        if self.engine.seconds_without_progress() > self.stall_timeout_s:
-            return "unhealthy"
-        return "healthy"
-
-    def activity(self) -> str:
-        return "busy" if self.engine.in_flight else "idle"
-
-    def busy(self) -> bool:
-        """Work that a drain waits for: jobs in the engine, streams being written, job API jobs not yet read."""
-        return bool(self.engine.in_flight or self.open_streams or self.jobs)
+    def __init__(self, errors: Sequence[FieldError]) -> None:
+        super().__init__("; ".join(e.message for e in errors))
+        self.errors = errors
 
 
 def native_router(state: WorkerState) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=rendering_route((AdmissionError, InvalidJob), native_error))
 
     @router.get(
         "/health",
@@ -171,20 +136,16 @@ def native_router(state: WorkerState) -> APIRouter:
         openapi_extra=EXECUTE_BODY,
     )
     async def execute(request: Request) -> Response:
-        job = await admit(state, request, require_job_id=True)
-        if isinstance(job, Response):
-            return job
+        job = await admit_job(state, request, require_job_id=True)
         return StreamingResponse(
             sse(state, job, done_marker=False), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
     @router.post("/v1/inference", response_model=JobCreated, responses=JOB_ERRORS, openapi_extra=INFERENCE_BODY)
     async def create_job(request: Request) -> Response:
-        job = await admit(state, request, require_job_id=False)
-        if isinstance(job, Response):
-            return job
+        job = await admit_job(state, request, require_job_id=False)
         state.jobs[job.job_id] = job
-        asyncio.get_running_loop().call_later(state.unclaimed_job_timeout_s, expire_unclaimed, state, job)
+        asyncio.get_running_loop().call_later(state.config.unclaimed_job_timeout_s, expire_unclaimed, state, job)
         return JSONResponse({"job_id": job.job_id, "sse_url": f"/v1/inference/{job.job_id}/stream"})
 
     @router.get(
@@ -231,67 +192,55 @@ def native_router(state: WorkerState) -> APIRouter:
     return router
 
 
-async def admit(state: WorkerState, http_request: Request, *, require_job_id: bool) -> Job | Response:
-    """Validate a job request and submit it to the engine; or the error response."""
-    engine = state.engine
-    if state.draining:
-        return error_response(503, "DRAINING", "the worker is shutting down and takes no new jobs")
-    if not engine.is_loaded:
-        return error_response(503, "LOADING", "the model is still loading; retry shortly", retry_after=1)
+async def admit_job(state: WorkerState, http_request: Request, *, require_job_id: bool) -> Job:
+    """Validate a job request and submit it to the engine; raises InvalidJob or what `admit` raises."""
+    body = await http_request.body()
     prompt_ids: tuple[int, ...] = ()
 
     def count_tokens(prompt: str) -> int:
         nonlocal prompt_ids
-        prompt_ids = engine.tokenize(prompt)
+        prompt_ids = state.engine.tokenize(prompt)
         return len(prompt_ids)
 
-    parsed = parse_job_request(
-        await http_request.body(),
-        require_job_id=require_job_id,
-        count_tokens=count_tokens,
-        context_length=engine.context_length,
-    )
-    if not isinstance(parsed, JobRequest):
-        return JSONResponse(errors_body(parsed), status_code=400)
-    job_id = parsed.job_id or uuid.uuid4().hex
-    running = FieldError("job_id", "unique", f"job {job_id} is already running", job_id)
-    if job_id in state.jobs:  # a job API job stays until its stream is read, even once generated
-        return field_error(409, running)
-    request = EngineRequest(
-        prompt_ids=prompt_ids,
-        max_tokens=parsed.max_tokens,
-        sampling=SamplingParams(
-            temperature=parsed.temperature,
-            top_k=parsed.top_k,
-            top_p=parsed.top_p,
-            min_p=parsed.min_p,
-            repetition_penalty=parsed.repetition_penalty,
-        ),
-        seed=parsed.seed,
-        stop=parsed.stop,
-        request_id=job_id,
-        correlation_id=getattr(http_request.state, "correlation_id", None),
-    )
-    try:
-        return Job(job_id, engine.astream(request))
-    except DuplicateRequest:
-        return field_error(409, running)
-    except EngineBusy as busy:
-        running_now = min(busy.in_flight, busy.max_batch)
-        return JSONResponse(
-            {
-                "error": {
-                    "code": "ALL_SLOTS_BUSY",
-                    "message": str(busy),
-                    "slots_total": busy.max_batch,
-                    "slots_busy": running_now,
-                    "queue_total": busy.max_queue,
-                    "queue_busy": busy.in_flight - running_now,
-                }
-            },
-            status_code=503,
-            headers={"Retry-After": "1"},
+    def build() -> EngineRequest:
+        parsed = parse_job_request(
+            body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=state.engine.context_length
         )
+        if not isinstance(parsed, JobRequest):
+            raise InvalidJob(parsed)
+        return EngineRequest(
+            prompt_ids=prompt_ids,
+            max_tokens=parsed.max_tokens,
+            sampling=sampling_params(parsed),
+            seed=parsed.seed,
+            stop=parsed.stop,
+            request_id=parsed.job_id or uuid.uuid4().hex,
+            correlation_id=getattr(http_request.state, "correlation_id", None),
+        )
+
+    return admit(state, build)
+
+
+def native_error(exc: AdmissionError | InvalidJob) -> JSONResponse:
+    """The contract's answer (CONTRACT.md §2) to a job request the worker refuses."""
+    if isinstance(exc, InvalidJob):
+        return JSONResponse(errors_body(exc.errors), status_code=400)
+    if isinstance(exc, DuplicateJob):
+        return field_error(409, FieldError("job_id", "unique", str(exc), exc.job_id))
+    if isinstance(exc, AllSlotsBusy):
+        error = {
+            "code": "ALL_SLOTS_BUSY",
+            "message": str(exc),
+            "slots_total": exc.slots_total,
+            "slots_busy": exc.slots_busy,
+            "queue_total": exc.queue_total,
+            "queue_busy": exc.queue_busy,
+        }
+        return JSONResponse({"error": error}, status_code=503, headers={"Retry-After": "1"})
+    if isinstance(exc, Loading):
+        return error_response(503, "LOADING", "the model is still loading; retry shortly", retry_after=1)
+    assert isinstance(exc, Draining), exc
+    return error_response(503, "DRAINING", "the worker is shutting down and takes no new jobs")
 
 
 def expire_unclaimed(state: WorkerState, job: Job) -> None:
@@ -302,7 +251,7 @@ def expire_unclaimed(state: WorkerState, job: Job) -> None:
         log.warning(
             "job %s cancelled: its stream was not opened within %.0f s",
             job.job_id,
-            state.unclaimed_job_timeout_s,
+            state.config.unclaimed_job_timeout_s,
             extra={"fields": {"job_id": job.job_id}},
         )
 

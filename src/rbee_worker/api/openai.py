@@ -2,7 +2,8 @@
 /detokenize, on the same engine as the native API.
 
 Bodies are validated by the pydantic models of openai_schema.py; every error has OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}` (see `openai_error` and the validation handler in server.py).
+`{"error": {"message", "type", "param", "code"}}`: routes raise ApiError or a refusal of api/admission.py, and
+`openai_error` answers both (the validation handler in server.py answers invalid bodies).
 """
 
 import asyncio
@@ -17,7 +18,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
-from rbee_worker.api.native import SSE_HEADERS, WorkerState, sse_data
+from rbee_worker.api.admission import (
+    AdmissionError,
+    AllSlotsBusy,
+    Draining,
+    DuplicateJob,
+    Loading,
+    admit,
+    ensure_open,
+    rendering_route,
+)
+from rbee_worker.api.api_error import ApiError
+from rbee_worker.api.native import SSE_HEADERS, sse_data
 from rbee_worker.api.native_schema import SSE_EVENT, UNAUTHORIZED
 from rbee_worker.api.openai_schema import (
     ChatCompletionRequest,
@@ -33,8 +45,8 @@ from rbee_worker.api.openai_schema import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from rbee_worker.engine.engine import DuplicateRequest, EngineBusy
-from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.api.requests import sampling_params
+from rbee_worker.api.state import WorkerState
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
 from rbee_worker.engine.types import Request as EngineRequest
 
@@ -51,29 +63,6 @@ ERRORS = {
 GENERATION_ERRORS = {**ERRORS, 500: {"model": ErrorResponse, "description": "inference failed"}}
 
 
-class ApiError(Exception):
-    """An error to answer in OpenAI's shape."""
-
-    def __init__(
-        self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, retry_after: int | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return ApiError(status, message, param=param).response()
-
-
 @dataclass
 class Generation:
     """What a finished or streaming job has produced so far, for one response or chunk."""
@@ -85,12 +74,14 @@ class Generation:
 
 
 def openai_router(state: WorkerState) -> APIRouter:
-    router = APIRouter(tags=["OpenAI-compatible"])
+    router = APIRouter(
+        tags=["OpenAI-compatible"], route_class=rendering_route((AdmissionError, ApiError), openai_error)
+    )
 
     @router.get("/v1/models", response_model=ModelList, responses={**UNAUTHORIZED, 503: ERRORS[503]})
-    async def models() -> ModelList | JSONResponse:
+    async def models() -> ModelList:
         if not state.engine.is_loaded:
-            return ApiError(503, "the model is still loading", kind="server_error", retry_after=1).response()
+            raise ApiError(503, "the model is still loading", kind="server_error", retry_after=1)
         context = state.engine.context_length
         card = ModelCard(id=state.model_ref, created=state.started_at, max_model_len=context)
         return ModelList(data=[card])
@@ -101,20 +92,13 @@ def openai_router(state: WorkerState) -> APIRouter:
         responses=with_stream(GENERATION_ERRORS, "CompletionResponse chunks, then data: [DONE]"),
     )
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
-        try:
+        def build() -> EngineRequest:
             check_model(state, body.model)
-            engine = state.engine
-            if isinstance(body.prompt, str):
-                prompt_ids = engine.tokenize(body.prompt)
-            elif isinstance(body.prompt[0], str):
-                prompt_ids = engine.tokenize(body.prompt[0])
-            else:
-                prompt_ids = check_token_ids(state, body.prompt, "prompt")
-            request = engine_request(state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl")
-            events = submit(state, request)
-        except ApiError as exc:
-            return exc.response()
-        base = {"id": request.request_id, "created": int(time.time()), "model": state.model_ref}
+            prompt_ids = completion_prompt(state, body.prompt)
+            return engine_request(state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl")
+
+        job = admit(state, build)
+        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_ref}
 
         def chunk(piece: Generation, finish: str | None) -> dict:
             logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
@@ -122,10 +106,8 @@ def openai_router(state: WorkerState) -> APIRouter:
             return {**base, "object": "text_completion", "choices": [choice]}
 
         if body.stream:
-            return sse_response(stream_chunks(events, chunk, body.include_usage, first=None))
-        generation = await collect(events, http_request)
-        if isinstance(generation, ApiError):
-            return generation.response()
+            return sse_response(stream_chunks(job.events, chunk, body.include_usage, first=None))
+        generation = await collect(job.events, http_request)
         end = generation.end
         return JSONResponse({**chunk(generation, FINISH_REASONS[end.stop_reason]), "usage": usage(end)})
 
@@ -135,15 +117,15 @@ def openai_router(state: WorkerState) -> APIRouter:
         responses=with_stream(GENERATION_ERRORS, "chat.completion.chunk objects, then data: [DONE]"),
     )
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
-        try:
+        top = (body.top_logprobs or 0) if body.logprobs else None
+
+        def build() -> EngineRequest:
             check_model(state, body.model)
             prompt_ids = render_chat(state, body.messages)
-            top = (body.top_logprobs or 0) if body.logprobs else None
-            request = engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl")
-            events = submit(state, request)
-        except ApiError as exc:
-            return exc.response()
-        base = {"id": request.request_id, "created": int(time.time()), "model": state.model_ref}
+            return engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl")
+
+        job = admit(state, build)
+        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_ref}
 
         def logprobs_of(piece: Generation) -> dict | None:
             if top is None:
@@ -164,10 +146,8 @@ def openai_router(state: WorkerState) -> APIRouter:
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 ],
             }
-            return sse_response(stream_chunks(events, chunk, body.include_usage, first=opening))
-        generation = await collect(events, http_request)
-        if isinstance(generation, ApiError):
-            return generation.response()
+            return sse_response(stream_chunks(job.events, chunk, body.include_usage, first=opening))
+        generation = await collect(job.events, http_request)
         end = generation.end
         choice = {
             "index": 0,
@@ -178,25 +158,21 @@ def openai_router(state: WorkerState) -> APIRouter:
         return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage(end)})
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse | JSONResponse:
-        try:
-            check_model(state, body.model)
-            if body.messages is not None:
-                tokens = render_chat(state, body.messages, body.add_generation_prompt)
-            else:
-                tokens = state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        except ApiError as exc:
-            return exc.response()
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ensure_open(state)
+        check_model(state, body.model)
+        if body.messages is not None:
+            tokens = render_chat(state, body.messages, body.add_generation_prompt)
+        else:
+            tokens = state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
         context = state.engine.context_length
         return TokenizeResponse(count=len(tokens), max_model_len=context, tokens=list(tokens))
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse | JSONResponse:
-        try:
-            check_model(state, body.model)
-            ids = check_token_ids(state, body.tokens, "tokens", allow_empty=True)
-        except ApiError as exc:
-            return exc.response()
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ensure_open(state)
+        check_model(state, body.model)
+        ids = check_token_ids(state, body.tokens, "tokens", allow_empty=True)
         return DetokenizeResponse(prompt=state.engine.detokenize(ids))
 
     return router
@@ -210,12 +186,22 @@ def with_stream(responses: dict, description: str) -> dict:
     }
 
 
+def openai_error(exc: AdmissionError | ApiError) -> JSONResponse:
+    """OpenAI's error shape for whatever a route raises: an ApiError as it is, a refusal as its ApiError."""
+    if isinstance(exc, Draining):
+        exc = ApiError(503, "the worker is shutting down and takes no new requests", kind="server_error")
+    elif isinstance(exc, Loading):
+        exc = ApiError(503, "the model is still loading; retry shortly", kind="server_error", retry_after=1)
+    elif isinstance(exc, AllSlotsBusy):
+        exc = ApiError(503, str(exc), kind="server_error", code="ALL_SLOTS_BUSY", retry_after=1)
+    elif isinstance(exc, DuplicateJob):  # request ids are fresh UUIDs: only a bug gets here
+        exc = ApiError(500, str(exc), kind="server_error")
+    assert isinstance(exc, ApiError), exc
+    return exc.response()
+
+
 def check_model(state: WorkerState, model: str | None) -> None:
-    """The model must be loaded, and a named model must be this one."""
-    if state.draining:
-        raise ApiError(503, "the worker is shutting down and takes no new requests", kind="server_error")
-    if not state.engine.is_loaded:
-        raise ApiError(503, "the model is still loading; retry shortly", kind="server_error", retry_after=1)
+    """A named model must be this one (on a loaded engine: its name may come from the model)."""
     if model is not None and model != state.model_ref:
         raise ApiError(
             404,
@@ -224,6 +210,15 @@ def check_model(state: WorkerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def completion_prompt(state: WorkerState, prompt: str | list[str] | list[int]) -> tuple[int, ...]:
+    """The token ids of a completion's prompt: a text (alone or the first of a list, which must hold one), or ids."""
+    if isinstance(prompt, str):
+        return state.engine.tokenize(prompt)
+    if isinstance(prompt[0], str):
+        return state.engine.tokenize(prompt[0])
+    return check_token_ids(state, prompt, "prompt")
 
 
 def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_empty: bool = False) -> tuple[int, ...]:
@@ -268,15 +263,7 @@ def engine_request(
     return EngineRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens or room,
-        sampling=SamplingParams(
-            temperature=body.temperature,
-            top_k=body.top_k,
-            top_p=body.top_p,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-        ),
+        sampling=sampling_params(body),
         seed=body.seed,
         stop=body.stops,
         request_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -284,15 +271,6 @@ def engine_request(
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
     )
-
-
-def submit(state: WorkerState, request: EngineRequest) -> AsyncIterator[Event]:
-    try:
-        return state.engine.astream(request)
-    except EngineBusy as busy:
-        raise ApiError(503, str(busy), kind="server_error", code="ALL_SLOTS_BUSY", retry_after=1) from busy
-    except DuplicateRequest as exc:  # request ids are fresh UUIDs: only a bug gets here
-        raise ApiError(500, str(exc), kind="server_error") from exc
 
 
 def terminal_error(event: Error | End) -> ApiError:
@@ -305,10 +283,11 @@ def terminal_error(event: Error | End) -> ApiError:
     return ApiError(status, event.message, kind=kind, code=event.code.value)
 
 
-async def collect(events: AsyncIterator[Event], http_request: Request) -> Generation | ApiError:
-    """Run a job to its end for a non-streaming response; a client that leaves meanwhile cancels it."""
+async def collect(events: AsyncIterator[Event], http_request: Request) -> Generation:
+    """Run a job to its end for a non-streaming response; a client that leaves meanwhile cancels it. Raises the
+    ApiError of a job that ends without a result."""
 
-    async def run() -> Generation | ApiError:
+    async def run() -> Generation:
         generation = Generation()
         async for event in events:
             if isinstance(event, Token):
@@ -317,7 +296,7 @@ async def collect(events: AsyncIterator[Event], http_request: Request) -> Genera
             elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
                 generation.end = event
             elif isinstance(event, End | Error):
-                return terminal_error(event)
+                raise terminal_error(event)
         return generation
 
     job = asyncio.ensure_future(run())

@@ -1,0 +1,95 @@
+"""Admission, one path for both HTTP APIs: refuse while draining or loading, build the engine request, submit it.
+
+`admit` raises an `AdmissionError` subclass for every refusal; each API turns those into its own error shape in one
+place, a route class made by `rendering_route` (FastAPI's exception handlers are app-wide, and the two APIs answer
+the same refusal differently).
+"""
+
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from rbee_worker.api.state import Job, WorkerState
+from rbee_worker.engine.engine import DuplicateRequest, EngineBusy
+from rbee_worker.engine.types import Request as EngineRequest
+
+E = TypeVar("E", bound=Exception)
+
+
+class AdmissionError(Exception):
+    """A request the worker does not take; the subclass says why."""
+
+
+class Draining(AdmissionError):
+    """The worker is shutting down and takes no new work."""
+
+
+class Loading(AdmissionError):
+    """The model is still loading; the client should retry shortly."""
+
+
+class DuplicateJob(AdmissionError):
+    """A job with this id is running, or waits for its stream to be read."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id} is already running")
+        self.job_id = job_id
+
+
+class AllSlotsBusy(AdmissionError):
+    """Every running slot and every queue place is taken (the engine's EngineBusy, with its numbers as the contract
+    reports them); the client should retry shortly."""
+
+    def __init__(self, busy: EngineBusy) -> None:
+        super().__init__(str(busy))
+        self.slots_total, self.queue_total = busy.max_batch, busy.max_queue
+        self.slots_busy = min(busy.in_flight, busy.max_batch)
+        self.queue_busy = busy.in_flight - self.slots_busy
+
+
+def ensure_open(state: WorkerState) -> None:
+    """Raise Draining or Loading unless the worker takes requests (the engine is loaded: it can tokenize)."""
+    if state.draining:
+        raise Draining()
+    if not state.engine.is_loaded:
+        raise Loading()
+
+
+def admit(state: WorkerState, build: Callable[[], EngineRequest]) -> Job:
+    """Submit the request that `build` makes, once the worker takes requests; its events wait in the returned job.
+
+    `build` runs only on a loaded engine and may raise its API's own errors (an invalid body, say), which pass
+    through. Raises Draining, Loading, DuplicateJob or AllSlotsBusy; a refused request leaves nothing behind.
+    """
+    ensure_open(state)
+    request = build()
+    if request.request_id in state.jobs:  # a job API job stays until its stream is read, even once generated
+        raise DuplicateJob(request.request_id)
+    try:
+        return Job(request.request_id, state.engine.astream(request))
+    except DuplicateRequest:
+        raise DuplicateJob(request.request_id) from None
+    except EngineBusy as busy:
+        raise AllSlotsBusy(busy) from None
+
+
+def rendering_route(errors: type[E] | tuple[type[E], ...], render: Callable[[E], Response]) -> type[APIRoute]:
+    """An APIRoute class whose handlers answer the `errors` they raise with `render(error)`: one error renderer per
+    API, for `APIRouter(route_class=...)`."""
+
+    class RenderingRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def handle(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except errors as exc:
+                    return render(exc)
+
+            return handle
+
+    return RenderingRoute

@@ -1,0 +1,60 @@
+"""What both HTTP APIs share about the running worker: its engine, its settings, its condition and its open jobs."""
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from rbee_worker.config import WorkerConfig
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.types import Event
+from rbee_worker.models.progress import LoadProgress
+
+
+@dataclass
+class Job:
+    """An admitted job (already submitted to the engine); its events wait in `events` until its one reader comes."""
+
+    job_id: str
+    events: AsyncIterator[Event]
+    reader_attached: bool = False
+
+
+@dataclass
+class WorkerState:
+    """The worker as the routes see it; the server owns it and flips `draining` when a stop is requested."""
+
+    engine: Engine
+    worker_id: str
+    config: WorkerConfig
+    progress: LoadProgress = field(default_factory=LoadProgress)
+    request_shutdown: Callable[[], None] = lambda: None  # POST /shutdown; the server sets it
+    draining: bool = False
+    started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time: /v1/models' `created`
+    jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end
+    open_streams: int = 0  # SSE job streams being written
+
+    @property
+    def model_ref(self) -> str:
+        """--model-ref, else the model's own name, known from the moment the engine reports it loaded (so /health,
+        /v1/models and request checks never see MODEL in its place); MODEL as given before that."""
+        if self.config.model_ref is not None:
+            return self.config.model_ref
+        return self.engine.loaded.info.name if self.engine.is_loaded else self.config.model
+
+    def condition(self) -> str:
+        """loading, draining, unhealthy or healthy: what /health, /v1/ready and the heartbeat report."""
+        if not self.engine.is_loaded:
+            return "draining" if self.draining else "loading"
+        if self.draining:
+            return "draining"
+        if self.engine.seconds_without_progress() > self.config.stall_timeout_s:
+            return "unhealthy"
+        return "healthy"
+
+    def activity(self) -> str:
+        """busy while the engine has a job in flight, idle otherwise."""
+        return "busy" if self.engine.in_flight else "idle"
+
+    def busy(self) -> bool:
+        """Work that a drain waits for: jobs in the engine, streams being written, job API jobs not yet read."""
+        return bool(self.engine.in_flight or self.open_streams or self.jobs)
