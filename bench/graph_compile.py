@@ -23,15 +23,16 @@ from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.compiled import compile_model
 from rbee_worker.engine.cuda_graphs import DecodeGraphs
-from rbee_worker.engine.engine import cache_kwarg
 from rbee_worker.engine.kv_cache import SlotCache
+from rbee_worker.engine.runner import cache_kwarg
+from rbee_worker.engine.sampler import SamplerFeatures, SamplerState
 from rbee_worker.models.loader import load_model
 
 SHAPES = ((1, 1024), (64, 1024))
 
 
 def step_seconds(graphs: DecodeGraphs, rows: int, span: int) -> float:
-    graph, _, _ = graphs._graph(rows, span)
+    graph, _, _ = graphs._graph(rows, span, SamplerFeatures())
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
@@ -54,27 +55,28 @@ def main() -> None:
     args = parser.parse_args()
     model = load_model(args.model, resolve_placement("cuda", "bfloat16")).model
     cache = SlotCache(model.config, max(r for r, _ in SHAPES), 2048, torch.bfloat16, model.device)
+    state = SamplerState(cache.slots, model.get_output_embeddings().out_features, model.device)
     card = torch.cuda.get_device_name(model.device)
     result: dict = {
         "model": args.model, "card": card, "torch": torch.__version__, "dynamic": args.dynamic,
         "regional": args.regional, "rows": [],
     }  # fmt: skip
     with torch.inference_mode():
-        sdpa = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)  # transformers' own sdpa attention
+        sdpa = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16, state)  # transformers' own sdpa attention
         sdpa_s = {shape: step_seconds(sdpa, *shape) for shape in SHAPES}  # captured before the switch below
         use_engine_attention(model)
-        plain = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16)
+        plain = DecodeGraphs(model, cache, cache_kwarg(model), torch.bfloat16, state)
         plain_s = {shape: step_seconds(plain, *shape) for shape in SHAPES}  # captured before any compilation
         if args.regional:
             compile_model(model, cache)
             forward = model
         else:
             forward = torch.compile(model, dynamic=args.dynamic)
-        compiled = DecodeGraphs(forward, cache, cache_kwarg(model), torch.bfloat16)
+        compiled = DecodeGraphs(forward, cache, cache_kwarg(model), torch.bfloat16, state)
         for rows, span in SHAPES:
             eager_s = plain_s[rows, span]
             started = time.perf_counter()
-            compiled._graph(rows, span)
+            compiled._graph(rows, span, SamplerFeatures())
             compile_s = time.perf_counter() - started
             compiled_s = step_seconds(compiled, rows, span)
             row = {"rows": rows, "span": span, "sdpa_ms": sdpa_s[rows, span] * 1e3, "plain_ms": eager_s * 1e3,

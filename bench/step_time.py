@@ -31,8 +31,11 @@ import torch
 
 from rbee_worker.benchmark.run import cpu_name
 from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.kv_cache import decode_mask
+from rbee_worker.engine.runner import PromptRow
+from rbee_worker.engine.sampler import SamplerFeatures
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Request, Token
 from rbee_worker.models.loader import load_model
@@ -70,19 +73,20 @@ class Phases:
     """Seconds and calls of the engine thread's prefill forwards, eager decode steps, graph decode launches and waits
     for their results, wrapped around the engine's own methods; `rows` counts decode steps by their sequences."""
 
-    NAMES: ClassVar[dict[str, str]] = {
-        "prefill": "_prefill_forward",
-        "decode": "_decode_rows",
-        "launch": "_launch",
-        "collect": "_collect",
+    NAMES: ClassVar[dict[str, tuple[str, str]]] = {  # phase: (engine or runner, method)
+        "prefill": ("engine", "_prefill"),
+        "decode": ("engine", "_decode_eager"),
+        "launch": ("runner", "launch"),
+        "collect": ("engine", "_collect"),
     }
 
     def __init__(self, engine: Engine) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.rows: collections.Counter[int] = collections.Counter()
-        for phase, method in self.NAMES.items():
-            setattr(engine, method, self._timed(phase, getattr(engine, method)))
+        owners = {"engine": engine, "runner": engine._runner}
+        for phase, (owner, method) in self.NAMES.items():
+            setattr(owners[owner], method, self._timed(phase, getattr(owners[owner], method)))
 
     def _timed(self, phase: str, method: Callable[[list], object]) -> Callable[[list], object]:
         @functools.wraps(method)
@@ -123,15 +127,16 @@ def allocator_counts() -> dict[str, int]:
     return {name: stats.get(name, 0) for name in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
-def graph_step_ms(engine: Engine, rows: int, span: int, repeats: int) -> float:
-    """One decode graph over `rows` rows attending to `span` positions, launched and waited for back to back."""
+def graph_step_ms(engine: Engine, rows: int, span: int, repeats: int, features: SamplerFeatures) -> float:
+    """One decode graph (its sampler stages: `features`) over `rows` rows attending to `span` positions, launched and
+    waited for back to back."""
     tokens, positions, lengths = [5] * rows, [span - 1] * rows, [span] * rows
     runs = []
     with torch.inference_mode():  # the graphs' static inputs are inference tensors
         for _ in range(repeats + 1):
             started = time.perf_counter()
             for _ in range(20):
-                engine._graphs.launch(tokens, positions, lengths, [False] * rows).result()
+                engine._runner.graphs.launch(tokens, positions, lengths, [False] * rows, features).result()
             runs.append((time.perf_counter() - started) / 20 * 1e3)
     return statistics.median(runs[1:])
 
@@ -146,10 +151,10 @@ def eager_decode(engine: Engine, rows: int, length: int) -> torch.Tensor:
     """One decode step of the engine's forward without its graphs: `rows` rows reading `length` cached positions."""
     device = engine.loaded.info.device
     positions = torch.full((rows, 1), length, device=device)
-    engine._cache.prepare(0, positions, length + 1)
+    engine._runner.cache.prepare(0, positions, length + 1)
     lengths = torch.full((rows,), length + 1, device=device)
     mask = decode_mask(lengths, length + 1, engine.loaded.info.dtype)
-    return engine._forward(torch.zeros(rows, 1, dtype=torch.long, device=device), positions, mask)
+    return engine._runner._forward(torch.zeros(rows, 1, dtype=torch.long, device=device), positions, mask)
 
 
 def profile(out: Path, calls: dict[str, Callable[[], object]], device: torch.device) -> None:
@@ -197,8 +202,7 @@ def main() -> None:
     compiled = args.compile if args.compile is not None else placement.device.type == "cuda"  # the worker's default
     engine = Engine(
         lambda: load_model(args.model, placement, quantize=args.quantize),
-        max_batch=max(concurrency),
-        compile_model=compiled,
+        EngineConfig(max_batch=max(concurrency), compile_model=compiled),
     )
     loaded = engine.loaded  # after the cache and the graphs
     device, model = loaded.info.device, loaded.model
@@ -207,7 +211,7 @@ def main() -> None:
     short = tuple(range(2000, 2016))
     result: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "torch": torch.__version__}
     result["quantize"] = args.quantize
-    result["compiled"] = engine._compile
+    result["compiled"] = engine._runner._compile
     result["card"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
     # The forward alone: one bare forward over the long prompt; a decode step with a dynamic cache. Not with the
@@ -239,19 +243,19 @@ def main() -> None:
         for _ in range(args.repeats + 1):
             sync(device)
             started = time.perf_counter()
-            engine._prompt_forward([0], [(long_prompt, 0)])
+            engine._runner._prompt_forward([PromptRow(0, long_prompt, 0, False)])
             sync(device)
             prefills.append(time.perf_counter() - started)
     result["engine_prefill_forward_s"] = statistics.median(prefills[1:])
     # Many short prompts arriving together: one eager forward over as many as a prefill chunk holds.
-    group = min(engine.max_batch, engine.prefill_chunk // (len(short) + 1))
-    group_pieces = [((*short, i % vocab), 0) for i in range(group)]
+    group = min(engine.max_batch, engine.config.prefill_chunk // (len(short) + 1))
+    group_rows = [PromptRow(i, (*short, i % vocab), 0, False) for i in range(group)]
     groups = []
     with torch.inference_mode():
         for _ in range(args.repeats + 1):
             sync(device)
             started = time.perf_counter()
-            engine._prompt_forward(list(range(group)), group_pieces)
+            engine._runner._prompt_forward(group_rows)
             sync(device)
             groups.append(time.perf_counter() - started)
     result[f"engine_group_prefill_{group}x{len(short) + 1}_s"] = statistics.median(groups[1:])
@@ -259,22 +263,24 @@ def main() -> None:
         profile(
             args.profile,
             {
-                "engine_prefill_forward": lambda: engine._prompt_forward([0], [(long_prompt, 0)]),
+                "engine_prefill_forward": lambda: engine._runner._prompt_forward([PromptRow(0, long_prompt, 0, False)]),
                 "engine_decode_step_eager_all_rows": lambda: eager_decode(engine, engine.max_batch, args.prompt_tokens),
                 "engine_ttft": lambda: first_token(engine, long_prompt),
-                "engine_group_prefill": lambda: engine._prompt_forward(list(range(group)), group_pieces),
+                "engine_group_prefill": lambda: engine._runner._prompt_forward(group_rows),
             },
             device,
         )
 
-    if engine._graphs is not None:  # the engine's own CUDA graphs, launched back to back (no host work between)
-        result["graph_step_s"] = graph_step_ms(engine, 1, args.prompt_tokens + 1, args.repeats) / 1e3
+    if engine._runner.graphs is not None:  # the engine's own CUDA graphs, launched back to back (no host work between)
+        greedy, chat = SamplerFeatures(), SamplerFeatures(filters=True)
+        result["graph_step_s"] = graph_step_ms(engine, 1, args.prompt_tokens + 1, args.repeats, greedy) / 1e3
         span = len(short) + 1 + args.tokens  # as the concurrent runs below end
-        result["graph_step_ms_by_rows"] = {
-            str(rows): graph_step_ms(engine, rows, span, args.repeats)
-            for rows in engine._graphs.row_buckets
-            if rows <= max(concurrency)
-        }
+        for name, features in (("greedy", greedy), ("chat", chat)):
+            result[f"graph_step_ms_by_rows_{name}"] = {
+                str(rows): graph_step_ms(engine, rows, span, args.repeats, features)
+                for rows in engine._runner.graphs.row_buckets
+                if rows <= max(concurrency)
+            }
 
     run_streams(engine, [short], args.tokens)  # warm-up
     ttft = []

@@ -135,6 +135,29 @@ def test_leaving_the_stream_cancels(engine: Engine) -> None:
     assert engine.in_flight == 0
 
 
+def test_seeded_sampled_request_is_the_same_alone_and_among_15_others_when_deterministic(demo_gguf: Path) -> None:
+    """With --deterministic, a seeded sampled request gets the tokens of its solo run while 15 other sampled requests
+    (other seeds and settings, submitted with it) run: its draws depend on (seed, step) alone and its logits on its
+    own rows alone."""
+    engine = Engine(
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")),
+        EngineConfig(deterministic=True, max_batch=16),
+    )
+    try:
+        chat = SamplingParams(temperature=0.7, top_p=0.9)
+        request = Request(engine.tokenize(STORY), max_tokens=24, sampling=chat, seed=2**40 + 3)
+        others = [
+            Request(engine.tokenize(f"{i} {STORY}"), max_tokens=24, seed=i,
+                    sampling=SamplingParams(temperature=0.5 + i / 10, top_k=i, repetition_penalty=1 + i / 100))
+            for i in range(15)
+        ]  # fmt: skip
+        alone = run(engine, request)[2]
+        together = submit_together(engine, [*others[:7], request, *others[7:]])[7]
+        assert together == alone and len(alone) == 24
+    finally:
+        engine.close()
+
+
 def test_concurrent_requests_interleave_and_match_their_solo_runs(demo_gguf: Path) -> None:
     """Batched decoding (one forward for all rows, free rows in between) gives each request its solo tokens; float32,
     so that the batch's different rounding cannot flip a near tie."""
