@@ -161,7 +161,8 @@ class ModelRunner:
         """The sampler over these logits rows, at once; its packed result on the host."""
         features = self.features([slot for slot, alive in zip(slots, live, strict=True) if alive])
         index = torch.tensor(slots, device=self.device)
-        out = sample(logits, self.state, index, torch.tensor(live, device=self.device), features)
+        live_rows = torch.tensor(live, device=self.device)
+        out = sample(logits, self.state, index, live_rows, features, host_sync=self.device.type == "cpu")
         return pack(out).tolist()
 
     def _prompt_forward(self, rows: list[PromptRow]) -> torch.Tensor:

@@ -10,23 +10,17 @@ A row, all on the device:
 
 1. Logits mask (structured output): disallowed tokens -> -inf. Penalties on the logits. Greedy rows take the argmax
    (torch.max: the first maximum, i.e. the lowest id).
-2. d = (max - x) / T >= 0 (how far below the top token, in scaled nats); e = exp(-d), 1 for the top token; integer
-   weights w = floor(e * 2**40) (int64). Integer sums are exact in any order, so a row's draw depends neither on the
-   batch around it nor on the device's reduction order. A token with e < 2**-40 (probability below 1e-12 of the top
+2. s = (x - max) / T <= 0, as sampling.py computes it; e = exp(s), 1 for the top token; integer weights
+   w = floor(e * 2**40) (int64). Integer sums are exact in any order, so a row's draw depends neither on the batch
+   around it nor on the device's reduction order. A token with e < 2**-40 (a probability below 1e-12 of the top
    token's) has weight 0 and is never drawn.
-3. Top-k: the k-th smallest d by a radix select over d's float bits (non-negative floats order like their bits): 4
-   passes of 8-bit digits from the most significant, each a per-row histogram (scatter_add into 256 bins) of the
-   tokens that share the digits found so far, whose cumulative sum picks the next digit. Tokens with d <= the k-th
-   are kept, ties included, as TopKLogitsWarper does.
-4. Top-p over the top-k survivors: the same select weighted by w finds the cut d, where the mass of the tokens before
-   it (more likely ones) first exceeds top_p * their total. Keeping the lowest ids of a tie that straddles the cut,
-   a token is kept iff the mass before it (more likely tokens, then tied ones of lower id) is < top_p * total, the
-   TopPLogitsWarper rule; the most likely token always is. All in integers: top_p is a 53-bit fixed-point fraction.
-5. Min-p: keep e >= min_p (e is the probability relative to the top token's).
-6. Draw: the cumulative sum of the kept weights in token-id order, target = floor(u * total) for the row's uniform
-   u = k / 2**53, and the first token whose cumulative weight exceeds it (searchsorted, right=True).
-
-Ties in top-k / top-p are ties of d, i.e. of the temperature-scaled logits (as in transformers), not of probabilities.
+3. Top-k, then top-p over its survivors (TopKLogitsWarper's and TopPLogitsWarper's rules, ties of the
+   temperature-scaled logits): exactly, in integers, by selection.py's radix select; with `host_sync`, from candidate
+   sets where the cut provably falls inside them (the same tokens, without the select's histograms).
+4. Min-p: keep e >= min_p (e is the probability relative to the top token's).
+5. Draw: target = floor(u * total kept weight) for the row's uniform u = k / 2**53 (`uniform`), and the first token
+   in id order whose cumulative kept weight exceeds it: inverse CDF, found without a scan of the whole row
+   (selection.search).
 """
 
 from collections.abc import Iterable, Sequence
@@ -35,13 +29,20 @@ from dataclasses import dataclass
 import torch
 
 from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.selection import block_sums, candidate_draw, radix_top_k_top_p, scale_by, search
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 # pack's row layout: token, valid, logprob, then (id, logprob) of the MAX_TOP_LOGPROBS most likely tokens.
 PACKED_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS
-MAX_VOCAB = 2**19  # keeps sums of weights below 2**59 (_scale_by) and token ids exact in pack's float32
+MAX_VOCAB = 2**19  # keeps sums of weights below 2**59 (scale_by) and token ids exact in pack's float32
 _WEIGHT_ONE = 2.0**40  # the top token's weight
 _FRACTION_BITS = 53  # top_p and the uniform numbers are integers over 2**53
+# exp's argument is clamped here: below, the weight is 0 anyway (exp(-64) * 2**40 < 1e-15), and denormal results
+# would slow a CPU's exp and the products after it many times over.
+_EXP_FLOOR = -64.0
+# candidate_draw's widths, tried in turn on the rows not yet covered (a chat's nucleus: median 3 tokens, at most a few
+# hundred on the demo model at temperature 0.7, top_p 0.9); the rows left are drawn by the radix select.
+_CANDIDATE_WIDTHS = (64, 1024)
 _IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
 _FLOAT32 = torch.finfo(torch.float32)
 # SplitMix64 (Steele, Lea, Flood 2014), as signed 64-bit constants: torch's int64 multiplication wraps.
@@ -96,7 +97,8 @@ class SamplerFeatures:
 
 class SamplerState:
     """Per-slot sampling state in device tensors: the parameters, the 64-bit seed and draw counter, the token counts
-    for the penalties, and the logits mask. `sample` reads the rows of its slots and advances the live ones."""
+    for the penalties, and the logits mask. `sample` reads the rows of its slots and advances the live ones. All of it
+    is allocated here, once (a CUDA graph reads fixed addresses): about 4.1 bytes per slot and vocabulary entry."""
 
     def __init__(self, slots: int, vocab_size: int, device: torch.device | str) -> None:
         if not 0 < vocab_size <= MAX_VOCAB:
@@ -114,7 +116,7 @@ class SamplerState:
         self.repetition = zeros(torch.float32)
         self.presence = zeros(torch.float32)
         self.frequency = zeros(torch.float32)
-        self.seed = zeros(torch.long)  # the 64-bit seed, two's complement
+        self.stream = zeros(torch.long)  # from the 64-bit seed: _stream(seed), see `uniform`
         self.counter = zeros(torch.long)  # the slot's draws so far
         # Generated-token counts per (slot, token), plus _IN_PROMPT for the prompt's tokens (repetition penalty).
         self.counts = zeros(torch.int32, vocab_size)
@@ -139,7 +141,7 @@ class SamplerState:
         self.repetition[slot] = max(params.repetition_penalty, _FLOAT32.tiny)
         self.presence[slot] = params.presence_penalty
         self.frequency[slot] = params.frequency_penalty
-        self.seed[slot] = seed - 2**64 if seed >= 2**63 else seed
+        self.stream[slot] = _stream(torch.tensor(seed - 2**64 if seed >= 2**63 else seed))
         self.counter[slot] = 0
         self.counts[slot] = 0
         if params.repetition_penalty != 1.0:
@@ -164,6 +166,8 @@ class SamplerState:
 
 @dataclass
 class SampleOutput:
+    """What `sample` gives, on the logits' device (`pack` makes it one tensor for the host)."""
+
     tokens: torch.Tensor  # [rows] int64, the chosen ids
     valid: torch.Tensor  # [rows] bool: False when the row's logits give no distribution (NaN, +inf, all -inf)
     logprob: torch.Tensor | None  # [rows] float32: the chosen token's log_softmax of the raw logits (vLLM's default)
@@ -172,20 +176,26 @@ class SampleOutput:
 
 
 def sample(
-    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, live: torch.Tensor, features: SamplerFeatures
+    logits: torch.Tensor,
+    state: SamplerState,
+    slots: torch.Tensor,
+    live: torch.Tensor,
+    features: SamplerFeatures,
+    host_sync: bool = False,
 ) -> SampleOutput:
     """One token per row. `logits`: [rows, vocab], any float dtype; `slots`: [rows] int64, each row's slot in `state`;
     `live`: [rows] bool, the rows that really decode. Each live row with valid logits advances its slot: the draw
     counter, and with `features.penalties` the chosen token's count, so that a chained step sees them. Padding rows
-    read their slot's state but leave it untouched."""
-    raw = logits.float()
-    x, top, best, valid = _scores(raw, state, slots, features)
+    read their slot's state but leave it untouched. `host_sync`: the caller allows the host to wait for the device
+    (a CPU), which lets top-k / top-p draw from candidate sets (_draw_with_candidates); the tokens are the same."""
+    x, top, best, valid = _scores(logits, state, slots, features)
     tokens = best
     if features.sampling:
-        cumulative = _kept_weights(x, top, state, slots, features).cumsum_(1)
-        total = cumulative[:, -1:]
-        target = _scale_by(uniform(state.seed[slots], state.counter[slots])[:, None], total)
-        drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_(max=state.vocab_size - 1)
+        bits = _draw_bits(state.stream[slots], state.counter[slots])[:, None]
+        if host_sync and features.filters:
+            drawn = _draw_with_candidates(x, top, state, slots, features, bits)
+        else:
+            drawn = _draw(_kept_weights(x, top, state, slots, features), bits)
         tokens = torch.where(state.greedy[slots], best, drawn)
     advance = live & valid
     state.counter.scatter_add_(0, slots, advance.long())
@@ -193,10 +203,50 @@ def sample(
         state.counts.view(-1).scatter_add_(0, slots * state.vocab_size + tokens, advance.int())
     if features.top_logprobs < 0:
         return SampleOutput(tokens, valid, None, None, None)
+    raw = logits.float()
     normalizer = torch.logsumexp(raw, 1, keepdim=True)
     top_values, top_ids = raw.topk(features.top_logprobs, 1)
     logprob = (raw.gather(1, tokens[:, None]) - normalizer).squeeze(1)
     return SampleOutput(tokens, valid, logprob, top_ids, top_values - normalizer)
+
+
+def _draw(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token in id order whose cumulative weight exceeds floor(u * total), u = bits / 2**53."""
+    sums = block_sums(weights)
+    drawn, _ = search(weights, sums, scale_by(bits, sums.sum(1, keepdim=True)))
+    return drawn.squeeze(1)
+
+
+def _draw_with_candidates(
+    x: torch.Tensor,
+    top: torch.Tensor,
+    state: SamplerState,
+    slots: torch.Tensor,
+    features: SamplerFeatures,
+    bits: torch.Tensor,
+) -> torch.Tensor:
+    """The tokens `_draw(_kept_weights(...))` gives, drawing the rows with top-k or top-p from their most likely
+    tokens where the cut provably falls among them (selection.candidate_draw), wider sets for the rows left, and the
+    radix select for the rest; rows without those filters draw from the whole row. Synchronizes with the device."""
+    scaled, keys = _scaled(x, top, state, slots)
+    relative = scaled.clamp_(min=_EXP_FLOOR).exp_()
+    keep = relative >= state.min_p[slots][:, None]
+    weights = relative.mul_(_WEIGHT_ONE).long()
+    top_k, top_p = state.top_k[slots][:, None], state.top_p[slots][:, None]
+    filtered = ((top_k < state.vocab_size) | (top_p < 2**_FRACTION_BITS)).squeeze(1)
+    tokens = _draw(weights * keep, bits)  # rows without top-k / top-p; the others are drawn below
+    left = filtered.nonzero().squeeze(1)
+    for width in _CANDIDATE_WIDTHS:
+        if not left.numel() or width >= state.vocab_size:
+            break
+        drawn, covered = candidate_draw(
+            keys[left], weights[left], keep[left], top_k[left], top_p[left], bits[left], width
+        )
+        tokens[left[covered]] = drawn[covered]
+        left = left[~covered]
+    if left.numel():
+        tokens[left] = _draw(_kept_weights(x[left], top[left], state, slots[left], features), bits[left])
+    return tokens
 
 
 def probabilities(
@@ -204,8 +254,8 @@ def probabilities(
 ) -> torch.Tensor:
     """The distributions `sample` draws from, [rows, vocab] float32, by the same code (for tests): the kept weights
     over their total; one-hot on the argmax for greedy rows; zeros for invalid rows. Reads the state only."""
-    x, top, best, valid = _scores(logits.float(), state, slots, features)
-    probs = torch.zeros_like(x).scatter_(1, best[:, None], 1.0)
+    x, top, best, valid = _scores(logits, state, slots, features)
+    probs = torch.zeros(x.shape, device=x.device).scatter_(1, best[:, None], 1.0)
     if features.sampling:
         weights = _kept_weights(x, top, state, slots, features).float()
         probs = torch.where(state.greedy[slots][:, None], probs, weights / weights.sum(1, keepdim=True))
@@ -242,7 +292,16 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     mix(seed): mix(mix(seed) + (counter + 1) * GAMMA), top 53 bits. A function of (seed, counter) alone, so a
     row's draws do not depend on the batch; every bit of the seed counts; mixing the seed first keeps the streams of
     nearby seeds apart (SplitMix64's streams from seeds s and s + GAMMA would be one stream shifted by one)."""
-    return _shift_right(_mix(_mix(seeds) + (counters + 1) * _GAMMA), 64 - _FRACTION_BITS)
+    return _draw_bits(_stream(seeds), counters)
+
+
+def _stream(seeds: torch.Tensor) -> torch.Tensor:
+    """mix(seed) + GAMMA, what `uniform` needs of a seed (SamplerState keeps it, not the seed)."""
+    return _mix(seeds) + _GAMMA
+
+
+def _draw_bits(streams: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    return _shift_right(_mix(streams + counters * _GAMMA), 64 - _FRACTION_BITS)
 
 
 def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
@@ -257,25 +316,15 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def _scale_by(fraction: torch.Tensor, n: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """floor((fraction * n + offset) / 2**53), exactly, for 0 <= fraction <= 2**53, 0 <= n < 2**59, offset 0 or -1.
-    The product needs up to 112 bits: with fraction = a * 2**27 + b and n = c * 2**30 + d, it is
-    a*c * 2**57 + a*d * 2**27 + b*c * 2**30 + b*d, whose partial products fit in int64 and are shifted down in turn
-    (floor((m + y) / q) = floor((m + floor(y)) / q) for an integer m; >> floors negative values too)."""
-    a, b = fraction >> 27, fraction & (2**27 - 1)
-    c, d = n >> 30, n & (2**30 - 1)
-    low = a * d + ((b * c) << 3) + ((b * d + offset) >> 27)
-    return ((a * c) << 4) + (low >> 26)
-
-
 def _scores(
-    raw: torch.Tensor, state: SamplerState, slots: torch.Tensor, features: SamplerFeatures
+    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, features: SamplerFeatures
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The masked and penalized float32 logits, their row maxima and argmaxes (greedy tokens), and which rows are
-    valid: no NaN or +inf among the (masked) logits, and not every token -inf (after the penalties too)."""
-    if raw.shape[1] != state.vocab_size:
-        raise ValueError(f"logits have {raw.shape[1]} columns for a vocabulary of {state.vocab_size}")
-    x = raw
+    """The masked and penalized logits, their row maxima (float32) and argmaxes (greedy tokens), and which rows are
+    valid: no NaN or +inf among the (masked) logits, and not every token -inf (after the penalties too). bfloat16 and
+    float16 logits stay so until an operation with a float32 operand turns them into float32, exactly: a copy less."""
+    if logits.shape[1] != state.vocab_size:
+        raise ValueError(f"logits have {logits.shape[1]} columns for a vocabulary of {state.vocab_size}")
+    x = logits if logits.dtype in (torch.bfloat16, torch.float16, torch.float32) else logits.float()
     if features.masks:
         words = state.allowed[slots]
         bits = (words[:, :, None] >> state._bits) & 1
@@ -286,19 +335,28 @@ def _scores(
         x = _penalized(x, state, slots)
         top, best = x.max(1)
         valid &= top > -torch.inf
-    return x, top, best, valid
+    return x, top.float(), best, valid
 
 
 def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
-    """sampling.py's penalties, in the same float32 operations: the repetition penalty over the prompt and generated
-    tokens (positive logits / r, negative * r), then presence and frequency over generated ones; penalty overflow to
-    +inf is clamped to the largest float, which keeps the order and a valid softmax."""
+    """sampling.py's penalties, in the same float32 operations (the result is float32): the repetition penalty over
+    the prompt and generated tokens (positive logits / r, negative * r), then presence and frequency over generated
+    ones; penalty overflow to +inf is clamped to the largest float, which keeps the order and a valid softmax."""
     counts = state.counts[slots]
     generated = (counts & (_IN_PROMPT - 1)).float()
     rep = state.repetition[slots][:, None]
     x = torch.where(counts != 0, torch.where(x < 0, x * rep, x / rep), x)
     penalty = state.frequency[slots][:, None] * generated + state.presence[slots][:, None] * (generated > 0)
     return (x - penalty).clamp_(max=_FLOAT32.max)
+
+
+def _scaled(
+    x: torch.Tensor, top: torch.Tensor, state: SamplerState, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = (x - max) / T <= 0, as sampling.py computes it, and the keys that order the tokens from the most likely:
+    the bits of -s (>= 0: the sign bit cleared, so -0.0 is +0.0)."""
+    scaled = (x - top[:, None]).div_(state.temperature[slots][:, None])
+    return scaled, scaled.view(torch.int32).long().bitwise_and_(0x7FFFFFFF)
 
 
 def _kept_weights(
@@ -312,61 +370,11 @@ def _kept_weights(
     top-k, top-p and min-p keep it, else 0. An invalid row's garbage (NaN) never gets a weight, and every index
     computed from it stays in range. In-place operations where they can: on a CPU, fresh buffers of this size cost
     more in page faults than the arithmetic."""
-    scaled = (x - top[:, None]).div_(state.temperature[slots][:, None])  # <= 0, as sampling.py computes it
-    # The bits of -scaled (>= 0: the sign bit cleared, so -0.0 is +0.0) order the tokens from the most likely.
-    keys = scaled.view(torch.int32).long().bitwise_and_(0x7FFFFFFF) if features.filters else None
-    relative = scaled.exp_()
+    scaled, keys = _scaled(x, top, state, slots)
+    relative = scaled.clamp_(min=_EXP_FLOOR).exp_()
     keep = relative >= state.min_p[slots][:, None]  # False for NaN
     weights = relative.mul_(_WEIGHT_ONE).long()
-    if keys is not None:
-        keep &= _top_k_top_p(keys, weights, state, slots, features.top_k)
+    if features.filters:
+        top_k = state.top_k[slots][:, None] if features.top_k else None
+        keep &= radix_top_k_top_p(keys, weights, top_k, state.top_p[slots][:, None])
     return weights.mul_(keep)
-
-
-def _top_k_top_p(
-    keys: torch.Tensor, weights: torch.Tensor, state: SamplerState, slots: torch.Tensor, top_k: bool
-) -> torch.Tensor:
-    """Which tokens top-k (if `top_k`) then top-p keep; `keys`: [rows, vocab] int64 in 0..2**31-1, smaller for more
-    likely tokens. Zeroes the weights of the tokens top-k drops."""
-    high, low = keys >> 16, keys & 0xFFFF
-    if top_k:
-        ones = torch.ones((), dtype=torch.long, device=keys.device).expand_as(weights)
-        kth, _ = _radix_select(high, low, ones, state.top_k[slots][:, None])
-        weights.mul_(keys <= kth)
-    total = weights.sum(1, keepdim=True)
-    # A token is kept iff the mass before it is < top_p * total, i.e. <= `mass` (integers): floor((q * total - 1)
-    # / 2**53) for top_p = q / 2**53. At least 0: the most likely token (mass 0 before it) is always kept.
-    mass = _scale_by(state.top_p[slots][:, None], total, -1).clamp_(min=0)
-    cut, before_cut = _radix_select(high, low, weights, torch.minimum(mass + 1, total))
-    # Tokens tied at the cut go by id, the lower ids first: one is kept iff the tied ones before it weigh at most
-    # what is left of `mass` (their cumulative weight, shifted by one column: the weight before each).
-    tied = keys == cut
-    tied_before = torch.where(tied, weights, 0).cumsum_(1)
-    fits = torch.ones_like(tied)
-    fits[:, 1:] = tied_before[:, :-1] <= mass - before_cut
-    return (keys < cut) | (tied & fits)
-
-
-def _radix_select(
-    high: torch.Tensor, low: torch.Tensor, weights: torch.Tensor, need: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the smallest key `cut` such that the keys <= cut weigh >= need ([rows, 1], 1..the row's total
-    weight), and the weight of the keys < cut; the keys given as their bits 16..30 (`high`) and 0..15 (`low`),
-    `weights` int64 >= 0, all [rows, vocab].
-
-    Two passes: a histogram of the weights by `high` (2**15 bins), whose cumulative sum gives the cut's high bits;
-    then one by `low` of the keys with those high bits. Outside weights are zeroed in the second pass rather than
-    sent to a spare bin, which on a GPU would make all their atomic adds hit one address."""
-    cut_high, before = _digit(high, weights, need, 15)
-    part = torch.where(high == cut_high, weights, 0)
-    cut_low, before_low = _digit(low, part, need - before, 16)
-    return (cut_high << 16) | cut_low, before + before_low
-
-
-def _digit(digits: torch.Tensor, weights: torch.Tensor, need: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """The smallest digit whose tokens, with those of the smaller digits, weigh >= need, and the weight of the
-    smaller digits. Clamped, so that garbage rows index in range."""
-    histogram = weights.new_zeros(weights.shape[0], 2**bits).scatter_add_(1, digits, weights)
-    cumulative = histogram.cumsum(1)
-    digit = torch.searchsorted(cumulative, need).clamp_(max=2**bits - 1)
-    return digit, cumulative.gather(1, digit) - histogram.gather(1, digit)
