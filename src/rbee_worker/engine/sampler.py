@@ -227,20 +227,30 @@ def _draw_with_candidates(
 ) -> torch.Tensor:
     """The tokens `_draw(_kept_weights(...))` gives, drawing the rows with top-k or top-p from their most likely
     tokens where the cut provably falls among them (selection.candidate_draw), wider sets for the rows left, and the
-    radix select for the rest; rows without those filters draw from the whole row. Synchronizes with the device."""
-    scaled, keys = _scaled(x, top, state, slots)
-    relative = scaled.clamp_(min=_EXP_FLOOR).exp_()
-    keep = relative >= state.min_p[slots][:, None]
+    radix select for the rest; rows without those filters draw from the whole row. Synchronizes with the device, and
+    indexes row subsets only where the rows differ (a copy of a subset costs as much as the draw)."""
+    scaled = (x - top[:, None]).div_(state.temperature[slots][:, None])  # as _scaled computes it
+    relative = scaled.clamp(min=_EXP_FLOOR).exp_()
+    min_p = state.min_p[slots][:, None]
+    keep = relative >= min_p if bool((min_p > 0).any()) else None
     weights = relative.mul_(_WEIGHT_ONE).long()
     top_k, top_p = state.top_k[slots][:, None], state.top_p[slots][:, None]
     filtered = ((top_k < state.vocab_size) | (top_p < 2**_FRACTION_BITS)).squeeze(1)
-    tokens = _draw(weights * keep, bits)  # rows without top-k / top-p; the others are drawn below
+    tokens = torch.zeros_like(top, dtype=torch.long)
     left = filtered.nonzero().squeeze(1)
+    if left.numel() < filtered.numel():  # rows without top-k / top-p
+        plain = (~filtered).nonzero().squeeze(1)
+        kept = weights[plain] if keep is None else weights[plain] * keep[plain]
+        tokens[plain] = _draw(kept, bits[plain])
+
+    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return tensor if tensor is None or left.numel() == filtered.numel() else tensor[left]
+
     for width in _CANDIDATE_WIDTHS:
         if not left.numel() or width >= state.vocab_size:
             break
         drawn, covered = candidate_draw(
-            keys[left], weights[left], keep[left], top_k[left], top_p[left], bits[left], width
+            rows(scaled), rows(weights), rows(keep), rows(top_k), rows(top_p), rows(bits), width
         )
         tokens[left[covered]] = drawn[covered]
         left = left[~covered]

@@ -118,35 +118,38 @@ def search(weights: torch.Tensor, sums: torch.Tensor, target: torch.Tensor) -> t
 
 
 def candidate_draw(
-    keys: torch.Tensor,
+    scaled: torch.Tensor,
     weights: torch.Tensor,
-    keep: torch.Tensor,
+    keep: torch.Tensor | None,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     bits: torch.Tensor,
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's drawn token from its `width` most likely (smallest `keys`; `weights` and the min-p `keep` as in
-    the full row; `top_k` [rows, 1], the vocabulary size when off; `top_p` [rows, 1] over 2**53; `bits` [rows, 1] the
-    draw's uniform over 2**53), and whether the cut provably falls inside them: top-k's k-th key is below the
-    width-th (no token outside ties with it), or top-p's mass of the tokens below the width-th key already passes
-    the cut (every token outside has at least that much before it). Rows not covered must be drawn from the whole
-    row; their token here is garbage."""
-    vocab = keys.shape[1]
-    least, ids = keys.topk(width, 1, largest=False)
-    order = (least * vocab + ids).sort(1).indices  # by key, then by id: the order the cut rules count in
-    ids, least = ids.gather(1, order), least.gather(1, order)
+    """Each row's drawn token from its `width` most likely (largest `scaled`, the temperature-scaled logits; `weights`
+    and min-p's `keep` (None: all) as in the full row; `top_k` [rows, 1], the vocabulary size when off; `top_p`
+    [rows, 1] over 2**53; `bits` [rows, 1] the draw's uniform over 2**53), and whether the cut provably falls inside
+    them: top-k's k-th key is below the width-th (no token outside ties with it), or top-p's mass of the tokens below
+    the width-th key already passes the cut (every token outside has at least that much before it). Rows not covered
+    must be drawn from the whole row; their token here is garbage."""
+    vocab = scaled.shape[1]
+    values, ids = scaled.topk(width, 1)
+    keys = values.view(torch.int32).long().bitwise_and_(0x7FFFFFFF)  # the bits of -s, as the radix select's keys
+    order = (keys * vocab + ids).sort(1).indices  # by key, then by id: the order the cut rules count in
+    ids, keys = ids.gather(1, order), keys.gather(1, order)
     w = weights.gather(1, ids)
-    last = least[:, -1:]
+    last = keys[:, -1:]
     k_on = top_k < vocab
-    kth = least.gather(1, (top_k - 1).clamp(max=width - 1))
+    kth = keys.gather(1, (top_k - 1).clamp(max=width - 1))
     covered = ~k_on | ((top_k <= width) & (kth < last))
-    w = torch.where(k_on & (least > kth), 0, w)
+    w = torch.where(k_on & (keys > kth), 0, w)
     total = torch.where(k_on, w.sum(1, keepdim=True), weights.sum(1, keepdim=True))
     mass = scale_by(top_p, total, -1).clamp_(min=0)
-    covered &= k_on | (torch.where(least < last, w, 0).sum(1, keepdim=True) > mass)
-    w = torch.where((w.cumsum(1) - w <= mass) & keep.gather(1, ids), w, 0)
+    covered &= k_on | (torch.where(keys < last, w, 0).sum(1, keepdim=True) > mass)
+    kept = w.cumsum(1) - w <= mass
+    if keep is not None:
+        kept &= keep.gather(1, ids)
     by_id = ids.sort(1)
-    cumulative = w.gather(1, by_id.indices).cumsum(1)
+    cumulative = torch.where(kept, w, 0).gather(1, by_id.indices).cumsum(1)
     pick = torch.searchsorted(cumulative, scale_by(bits, cumulative[:, -1:]), right=True).clamp_(max=width - 1)
     return by_id.values.gather(1, pick).squeeze(1), covered.squeeze(1)
