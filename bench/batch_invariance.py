@@ -4,7 +4,9 @@ Each of 16 seeded chat requests (temperature 0.7, top_p 0.9) runs alone, then al
 tokens differ between the two counts. The sampler's draws depend on (seed, step) alone, so without --deterministic a
 difference comes from the batched forward's rounding (a near tie flipped), after which the texts part ways.
 
-    PYTHONPATH=src python bench/batch_invariance.py --model demo --device cpu
+    PYTHONPATH=src python bench/batch_invariance.py --model demo --device cpu [--deterministic]
+
+One mode per process (a GPU holds one copy of a large model); each run adds its mode to the JSON file.
 """
 
 import argparse
@@ -46,33 +48,35 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench/results/sampling"))
     args = parser.parse_args()
     path = str(resolve_model_path(args.model))
     placement = resolve_placement(args.device, args.dtype)
     chat = SamplingParams(temperature=0.7, top_p=0.9)
-    result: dict = {"machine": machine(), "model": args.model, "device": args.device, "tokens": args.tokens}
-    for deterministic in (False, True):
-        engine = Engine(lambda: load_model(path, placement), EngineConfig(deterministic=deterministic, max_batch=16))
-        try:
-            requests = [
-                Request(engine.tokenize(f"{TEXT} {i}"), max_tokens=args.tokens, sampling=chat, seed=1000 + i,
-                        ignore_eos=True)
-                for i in range(16)
-            ]  # fmt: skip
-            alone = [tokens_of(engine, [r])[0] for r in requests]
-            together = tokens_of(engine, requests)
-        finally:
-            engine.close()
-        differ = [i for i in range(16) if alone[i] != together[i]]
-        first = [next(j for j, (a, b) in enumerate(zip(alone[i], together[i], strict=True)) if a != b) for i in differ]
-        name = "deterministic" if deterministic else "default"
-        result[name] = {"requests_differing": len(differ), "of": 16, "first_differing_token": first}
-        print(name, json.dumps(result[name]), flush=True)
-    machine_name = result["machine"].get("gpu") or result["machine"]["cpu"]
+    machine_name = machine().get("gpu") or machine()["cpu"]
     stem = "_".join(re.sub(r"\(R\)|\(TM\)|[^\w.-]", " ", machine_name).split())
-    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"batch_invariance_{Path(args.model).stem}_{args.device.replace(':', '')}_{stem}.json"
+    result: dict = json.loads(out.read_text()) if out.exists() else {}
+    result |= {"machine": machine(), "model": args.model, "device": args.device, "tokens": args.tokens}
+    deterministic = args.deterministic
+    engine = Engine(lambda: load_model(path, placement), EngineConfig(deterministic=deterministic, max_batch=16))
+    try:
+        requests = [
+            Request(engine.tokenize(f"{TEXT} {i}"), max_tokens=args.tokens, sampling=chat, seed=1000 + i,
+                    ignore_eos=True)
+            for i in range(16)
+        ]  # fmt: skip
+        alone = [tokens_of(engine, [r])[0] for r in requests]
+        together = tokens_of(engine, requests)
+    finally:
+        engine.close()
+    differ = [i for i in range(16) if alone[i] != together[i]]
+    first = [next(j for j, (a, b) in enumerate(zip(alone[i], together[i], strict=True)) if a != b) for i in differ]
+    name = "deterministic" if deterministic else "default"
+    result[name] = {"requests_differing": len(differ), "of": 16, "first_differing_token": first}
+    print(name, json.dumps(result[name]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 
