@@ -73,18 +73,18 @@ class Phases:
     """Seconds and calls of the engine thread's prefill forwards, eager decode steps, graph decode launches and waits
     for their results, wrapped around the engine's own methods; `rows` counts decode steps by their sequences."""
 
-    NAMES: ClassVar[dict[str, tuple[str, str]]] = {  # phase: (engine or runner, method)
-        "prefill": ("engine", "_prefill"),
-        "decode": ("engine", "_decode_eager"),
+    NAMES: ClassVar[dict[str, tuple[str, str]]] = {  # phase: (the engine's steps or runner, method)
+        "prefill": ("steps", "prefill"),
+        "decode": ("steps", "_decode_eager"),
         "launch": ("runner", "launch"),
-        "collect": ("engine", "_collect"),
+        "collect": ("steps", "_collect"),
     }
 
     def __init__(self, engine: Engine) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self.rows: collections.Counter[int] = collections.Counter()
-        owners = {"engine": engine, "runner": engine._runner}
+        owners = {"steps": engine._steps, "runner": engine._runner}
         for phase, (owner, method) in self.NAMES.items():
             setattr(owners[owner], method, self._timed(phase, getattr(owners[owner], method)))
 

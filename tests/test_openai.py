@@ -110,6 +110,22 @@ def test_seed_replays_a_sample(client: openai.OpenAI) -> None:
     assert len({sample(7), sample(8), sample(9)}) > 1  # the seed really picks the sample
 
 
+def test_seed_gives_the_same_sample_in_another_worker_process(client: openai.OpenAI, tmp_path: Path) -> None:
+    """A request's draws depend on its seed (all 64 bits) and its token's index alone: a second worker process, with
+    nothing else in common, samples the same text for the same seeded request."""
+
+    def sample(other: openai.OpenAI) -> str:
+        completion = other.chat.completions.create(
+            model=DEMO_NAME, messages=QUESTION, temperature=0.7, top_p=0.9, seed=2**63 + 11, max_tokens=24
+        )
+        return completion.choices[0].message.content
+
+    first = sample(client)
+    with running(tmp_path, env={"LLORCH_API_TOKEN": TOKEN}) as second:
+        other = openai.OpenAI(base_url=f"{second.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        assert sample(other) == first
+
+
 def test_logprobs_shapes(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
         model=DEMO_NAME, messages=QUESTION, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3

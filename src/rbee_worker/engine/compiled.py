@@ -1,5 +1,5 @@
 """--compile: the model's forward through torch.compile, in place (`nn.Module.compile`), with dynamic shapes (one
-compilation covers every batch size above one and every attention span; `Engine._warm_up` runs each class of
+compilation covers every batch size above one and every attention span; `ModelRunner.warm_up` runs each class of
 forward once before ready). What is compiled depends on the device, as measured:
 
 - CUDA: each decoder layer (PyTorch's "regional compilation"). The layers share one class and one forward, and with
@@ -11,7 +11,7 @@ forward once before ready). What is compiled depends on the device, as measured:
   inputs), and the KV cache's `update` indexes a Python list with it, so it runs uncompiled (its two index writes are
   two kernels either way): a graph break between the projections and the attention, which costs nothing inside a
   graph replay.
-- CPU: the whole model, for decode steps only (prompt forwards run it eagerly: Engine._eager_prompts says why).
+- CPU: the whole model, for decode steps only (prompt forwards run it eagerly: ModelRunner._eager_prompts says why).
   Outside CUDA graphs every compiled frame evaluates its guards at each call, and the graph breaks would stop
   inductor from fusing across them: the demo model's int4 decode ran at 44 tok/s with the layers compiled, 76 with
   the whole model, 58 uncompiled (2 cores, through HTTP). Its guards skip the model's modules

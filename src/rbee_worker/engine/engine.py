@@ -8,24 +8,22 @@ once (EngineBusy) rather than queued without end.
 """
 
 import asyncio
-import contextlib
 import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.cuda_graphs import LaunchedStep
 from rbee_worker.engine.detokenizer import Detokenizer
-from rbee_worker.engine.runner import DecodeRow, ModelRunner, PromptRow, Sampled
+from rbee_worker.engine.runner import ModelRunner
 from rbee_worker.engine.sampler import check_seed
 from rbee_worker.engine.sampling import random_seed
-from rbee_worker.engine.scheduler import Chunk, EngineObserver, Scheduler, Sequence, Sink
+from rbee_worker.engine.scheduler import EngineObserver, Scheduler, Sequence, Sink
+from rbee_worker.engine.step import Steps
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason
 from rbee_worker.models.loaded import LoadedModel
 
@@ -46,15 +44,6 @@ class EngineBusy(RuntimeError):
     def __init__(self, max_batch: int, max_queue: int, in_flight: int) -> None:
         super().__init__(f"all {max_batch} slots and {max_queue} queue places are taken; retry shortly")
         self.max_batch, self.max_queue, self.in_flight = max_batch, max_queue, in_flight
-
-
-@dataclass
-class _Launched:
-    """A decode step launched on the GPU for these rows, whose tokens the host has not taken yet."""
-
-    sequences: list[Sequence]
-    rows: list[DecodeRow]
-    step: LaunchedStep
 
 
 class Engine:
@@ -88,7 +77,7 @@ class Engine:
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
         self._runner: ModelRunner | None = None
         self._scheduler: Scheduler | None = None
-        self._pending: _Launched | None = None  # a graph decode step whose tokens the host has not taken yet
+        self._steps: Steps | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
         self._thread.start()
@@ -293,6 +282,7 @@ class Engine:
             self._scheduler = Scheduler(
                 self.config, info.eos_token_ids, self._runner.cache.bytes_per_token, self._retired, self._observer
             )
+            self._steps = Steps(self._scheduler, self._runner, self.config.deterministic)
             self._loaded = self._runner.loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
@@ -308,8 +298,8 @@ class Engine:
                         sequence.slot, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
                     )
                 for group in plan.prefill:
-                    self._prefill(group)
-                self._decode(plan.decode)
+                    self._steps.prefill(group)
+                self._steps.decode(plan.decode)
                 self._last_progress = time.monotonic()
             self._scheduler.cancel_all()
 
@@ -333,117 +323,12 @@ class Engine:
                 self._scheduler.add(item)
                 item.send(Started(item.request_id, len(item.request.prompt_ids), item.seed))
 
-    def _prefill(self, chunks: list[Chunk]) -> None:
-        """One forward over prompt chunks; a sequence whose prompt is complete gets its first token."""
-        sequences = [c.sequence for c in chunks]
-        with self._failing(sequences):
-            rows = [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
-            sampled = iter(self._runner.prefill(rows))
-            for chunk in chunks:
-                self._scheduler.prefilled(chunk)
-            self._take([c.sequence for c in chunks if c.completes_prompt], list(sampled))
-
-    def _decode(self, sequences: list[Sequence]) -> None:
-        """One token for each sequence: one batched forward (a forward each in deterministic mode), or on a GPU a step
-        launched ahead (see _decode_ahead)."""
-        if self._runner.graphs:
-            self._decode_ahead(sequences)
-        elif self.config.deterministic:
-            for sequence in sequences:
-                self._decode_eager([sequence])
-        elif sequences:
-            self._decode_eager(sequences)
-
-    def _decode_eager(self, sequences: list[Sequence]) -> None:
-        with self._failing(sequences):
-            sampled = self._runner.decode([DecodeRow(s.slot, s.output_ids[-1], s.cached) for s in sequences])
-            for sequence in sequences:
-                sequence.cached += 1
-            self._take(sequences, sampled)
-
-    def _decode_ahead(self, sequences: list[Sequence]) -> None:
-        """One decode step as a CUDA graph, sampler included, launched before the host takes the previous step's tokens.
-
-        The host launches this step, then reads the previous step's tokens while it runs, and the graph takes each
-        continuing row's token from the previous step's choice on the GPU. The host's work per token (reading the
-        result, detokenizing, handing out events, filling the next step's inputs) then overlaps the GPU's instead of
-        adding to it. A sequence that the previous step ends (EOS, a stop string) has its row of this step computed
-        and thrown away; its KV write lands in its freed slot beyond what the next holder has written, and every
-        position is written before it is read; its sampling state is written afresh when the slot is taken again."""
-        runner, pending, self._pending = self._runner, self._pending, None
-        launch = self._launchable(sequences)
-        if pending and not (launch and runner.graphs.captured(*self._shape(launch), runner.features(_slots(launch)))):
-            self._collect(pending)
-            pending = None
-            launch = self._launchable(sequences)
-        step = None
-        if launch:
-            with self._failing(launch):
-                rows = [DecodeRow(s.slot, s.output_ids[-1], s.cached + s.launched, s.launched > 0) for s in launch]
-                for sequence in launch:
-                    sequence.launched += 1
-                step = _Launched(launch, rows, runner.launch(rows))
-        if pending:
-            self._collect(pending)
-        self._pending = step
-
-    def _launchable(self, sequences: list[Sequence]) -> list[Sequence]:
-        return [s for s in sequences if self._scheduler.has_tokens_to_launch(s)]
-
-    @staticmethod
-    def _shape(sequences: list[Sequence]) -> tuple[int, int]:
-        """(rows, longest attention span) of a graph decode step over `sequences`: rows start at slot 0."""
-        return max(s.slot for s in sequences) + 1, max(s.cached + s.launched for s in sequences) + 1
-
-    def _collect(self, launched: _Launched) -> None:
-        """Wait for a launched step and take its tokens, for the sequences that still run."""
-        for sequence in launched.sequences:
-            sequence.launched -= 1
-        with self._failing(launched.sequences):
-            sampled = self._runner.collect(launched.step, launched.rows)
-            pairs = zip(launched.sequences, sampled, strict=True)
-            alive = [(s, out) for s, out in pairs if self._scheduler.is_running(s)]
-            for sequence, _ in alive:
-                sequence.cached += 1
-            self._take([s for s, _ in alive], [out for _, out in alive])
-
-    def _take(self, sequences: list[Sequence], sampled: list[Sampled]) -> None:
-        for sequence, out in zip(sequences, sampled, strict=True):
-            if not self._scheduler.is_running(sequence):
-                continue
-            if out.valid:
-                self._scheduler.accept(sequence, out.token, out.logprob)
-            else:
-                self._scheduler.fail(
-                    sequence, ErrorCode.INFERENCE_FAILED, "inference failed: the model's logits give no valid choice"
-                )
-
-    @contextlib.contextmanager
-    def _failing(self, sequences: list[Sequence]) -> Iterator[None]:
-        """A failure inside ends these requests with an error event, never the engine thread."""
-        try:
-            yield
-        except torch.OutOfMemoryError:
-            self._fail_all(sequences, ErrorCode.VRAM_OOM, "out of device memory during generation; retry shorter")
-        except Exception as exc:
-            log.exception("inference failed for request(s) %s", ", ".join(s.request_id for s in sequences))
-            self._fail_all(sequences, ErrorCode.INFERENCE_FAILED, f"inference failed: {exc}")
-
-    def _fail_all(self, sequences: list[Sequence], code: ErrorCode, message: str) -> None:
-        for sequence in sequences:
-            if self._scheduler.is_running(sequence):
-                self._scheduler.fail(sequence, code, message)
-
     def _retired(self, sequence: Sequence, terminal: End | Error) -> None:
         """A request ended (the scheduler has freed its slot): its id may come again, its caller hears of it."""
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request_id)
         _log_finished(sequence.request, terminal)
         sequence.send(terminal)
-
-
-def _slots(sequences: list[Sequence]) -> list[int]:
-    return [s.slot for s in sequences]
 
 
 def _log_finished(request: Request, terminal: End | Error) -> None:

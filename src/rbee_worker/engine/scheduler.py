@@ -66,7 +66,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     cancelled: bool = False
-    launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Engine._decode_ahead)
+    launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Steps._decode_ahead)
 
     @property
     def request_id(self) -> str:
