@@ -1,9 +1,9 @@
 """Sampled traffic against greedy traffic on one worker process: what a chat client's settings cost.
 
-One `rbee-worker serve` process, measured through /v1/completions (streamed, as `rbee-worker bench` does) with each
-sampling mode in turn: single-stream decode tokens/s and aggregate tokens/s at each --concurrency, every ratio taken
-against greedy in the same run. Optionally transformers' continuous batching (`--peer-cb`) at the highest concurrency,
-greedy, in the same call.
+One `rbee-worker serve` process, measured through /v1/completions (streamed, as `rbee-worker bench` does) in
+--repeats rounds of every sampling mode in turn: single-stream decode tokens/s and aggregate tokens/s at each
+--concurrency, medians over the rounds, every ratio taken against greedy in the same run. Optionally transformers'
+continuous batching (`--peer-cb`) at the highest concurrency, greedy, in the same call.
 
     python bench/sampling_ratio.py --model demo --device cpu --concurrency 1,16
     python bench/sampling_ratio.py --model /tmp/m8b --device cuda --dtype bfloat16 --concurrency 1,64 --peer-cb
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import re
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -56,10 +57,22 @@ def main() -> None:
             # One untimed pass at every concurrency first: the first many-stream run also touches the KV cache's
             # memory for the first time, which would count against whichever mode came first.
             asyncio.run(measure_worker(url, spec | {"repeats": 1, "sampling": MODES["greedy"]}))
-            for mode in modes:
-                figures = asyncio.run(measure_worker(url, spec | {"sampling": MODES[mode]}))
-                result["modes"][mode] = figures
-                print(mode, json.dumps({k: figures[k] for k in ("decode_tok_s", "aggregate_tok_s")}), flush=True)
+            # Rounds of every mode in turn, medians over the rounds: a drift of the machine's speed (a shared VM)
+            # then weighs on every mode alike.
+            rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for _ in range(args.repeats):
+                for mode in modes:
+                    once = spec | {"repeats": 1, "sampling": MODES[mode]}
+                    rounds[mode].append(asyncio.run(measure_worker(url, once)))
+            for mode, runs in rounds.items():
+                result["modes"][mode] = {
+                    "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                    "aggregate_tok_s": {
+                        str(c): statistics.median(r["aggregate_tok_s"][str(c)] for r in runs) for c in args.concurrency
+                    },
+                    "runs": runs,
+                }
+                print(mode, json.dumps({k: result["modes"][mode][k] for k in ("decode_tok_s", "aggregate_tok_s")}))
         finally:
             process.terminate()
             process.wait(timeout=60)
