@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from rbee_worker.benchmark.run import machine
+from rbee_worker.engine.cuda_graphs import capture
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample
 from rbee_worker.engine.sampling import SamplingParams
 
@@ -55,15 +56,8 @@ def seconds_per_call(run: Callable[[], object], device: torch.device, calls: int
 
 
 def graphed(run: Callable[[], object]) -> Callable[[], None]:
-    """`run` captured as a CUDA graph (after one warm-up call on a side stream, as capture requires); its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    """`run` captured as a CUDA graph (as the engine captures its steps); its replay."""
+    graph, _ = capture(run, torch.cuda.graph_pool_handle())
     return graph.replay
 
 

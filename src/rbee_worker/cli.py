@@ -1,7 +1,6 @@
 """Command line: `rbee-worker generate` and `serve` (flag parsing and output only; the work is elsewhere)."""
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING
-from rbee_worker.errors import BindError, ModelLoadError, RegistrationError
+from rbee_worker.errors import BindError, GenerationError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
 
 if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
@@ -331,61 +330,12 @@ def read_chat_template(value: str) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    # Checked before the heavy imports below, so a typo fails at once.
+    # Checked before the heavy imports, so a typo fails at once.
     if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
         fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
-    from rbee_worker.api.requests import sampling_params
-    from rbee_worker.devices import resolve_placement
-    from rbee_worker.engine.config import EngineConfig
-    from rbee_worker.engine.engine import Engine
-    from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
-    from rbee_worker.models.loader import load_model
+    from rbee_worker.generate import generate
 
-    placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
-    engine = Engine(
-        lambda: load_model(args.model, placement, quantize=args.quantize),
-        EngineConfig(deterministic=args.deterministic),
-    )
-    try:
-        info = engine.loaded.info
-        log.info(
-            "loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights",
-            info.name,
-            info.format,
-            info.architecture,
-            info.device,
-            str(info.dtype).removeprefix("torch."),
-            info.load_seconds,
-            info.weight_bytes >> 20,
-        )
-        prompt_ids = (
-            engine.tokenize_chat([{"role": "user", "content": args.prompt}])
-            if args.chat
-            else engine.tokenize(args.prompt)
-        )
-        request = Request(
-            prompt_ids=prompt_ids,
-            max_tokens=args.max_tokens,
-            sampling=sampling_params(args),
-            seed=args.seed,
-            stop=tuple(args.stop),
-        )
-        pieces: list[str] = []
-        token_ids: list[int] = []
-        for event in engine.stream(request):
-            if isinstance(event, Token):
-                pieces.append(event.text)
-                token_ids.extend(event.token_ids)
-                if not args.json:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-            elif isinstance(event, Error):
-                fail(event.message, EXIT_USAGE if event.code is ErrorCode.INVALID_REQUEST else EXIT_FAILURE)
-            elif isinstance(event, End):
-                report(args.json, event, "".join(pieces), token_ids, info.weight_bytes)
-    finally:
-        engine.close()
-    return 0
+    return generate(args)
 
 
 def compile_model(placement: "Placement", args: argparse.Namespace) -> bool:
@@ -394,28 +344,6 @@ def compile_model(placement: "Placement", args: argparse.Namespace) -> bool:
     if args.compile is not None:
         return args.compile
     return placement.device.type == "cuda" and args.cuda_graphs and not args.deterministic
-
-
-def report(as_json: bool, end, text: str, token_ids: list[int], weight_bytes: int) -> None:
-    if as_json:
-        summary = {
-            "text": text,
-            "token_ids": token_ids,
-            "prompt_tokens": end.prompt_tokens,
-            "tokens_out": end.tokens_out,
-            "stop_reason": end.stop_reason.value,
-            "seed": end.seed,
-        }
-        print(json.dumps(summary, ensure_ascii=False))
-        return
-    rate = (end.tokens_out - 1) / end.decode_time_s if end.tokens_out > 1 and end.decode_time_s > 0 else 0.0
-    print(file=sys.stdout)
-    print(
-        f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, {rate:.1f} tok/s, "
-        f"seed {end.seed}; memory: {weight_bytes / 2**20:.0f} MiB weights + {end.kv_cache_bytes / 2**20:.1f} MiB "
-        "KV cache",
-        file=sys.stderr,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -427,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.log_level == "debug":
             log.exception("model load failed")
         fail(str(exc), EXIT_USAGE)
+    except GenerationError as exc:
+        fail(str(exc), EXIT_USAGE if exc.invalid_request else EXIT_FAILURE)
     except (BindError, RegistrationError) as exc:  # the port, or the pool manager never accepted the worker
         fail(str(exc), EXIT_UNAVAILABLE)
     except KeyboardInterrupt:

@@ -15,3 +15,11 @@ class BindError(Exception):
 
 class RegistrationError(Exception):
     """The pool manager did not accept the ready callback. One line: what happened and what to do; the CLI exits 3."""
+
+
+class GenerationError(Exception):
+    """`rbee-worker generate`'s request was refused (`invalid_request`: exit 2) or failed while generating (exit 1)."""
+
+    def __init__(self, message: str, invalid_request: bool) -> None:
+        super().__init__(message)
+        self.invalid_request = invalid_request

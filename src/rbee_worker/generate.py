@@ -1,0 +1,90 @@
+"""`rbee-worker generate`: one prompt through the engine, its text streamed to stdout, a summary at the end. Imported
+by the CLI only when the command runs (it imports torch)."""
+
+import argparse
+import json
+import logging
+import sys
+
+from rbee_worker.api.requests import sampling_params
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
+from rbee_worker.errors import GenerationError
+from rbee_worker.models.loader import load_model
+
+log = logging.getLogger("rbee_worker")
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Load the model, run the prompt, print the text as it comes (or one JSON object with --json); raises
+    GenerationError for a request the engine refuses or fails."""
+    placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    engine = Engine(
+        lambda: load_model(args.model, placement, quantize=args.quantize),
+        EngineConfig(deterministic=args.deterministic),
+    )
+    try:
+        info = engine.loaded.info
+        log.info(
+            "loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights",
+            info.name,
+            info.format,
+            info.architecture,
+            info.device,
+            str(info.dtype).removeprefix("torch."),
+            info.load_seconds,
+            info.weight_bytes >> 20,
+        )
+        prompt_ids = (
+            engine.tokenize_chat([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else engine.tokenize(args.prompt)
+        )
+        request = Request(
+            prompt_ids=prompt_ids,
+            max_tokens=args.max_tokens,
+            sampling=sampling_params(args),
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+        pieces: list[str] = []
+        token_ids: list[int] = []
+        for event in engine.stream(request):
+            if isinstance(event, Token):
+                pieces.append(event.text)
+                token_ids.extend(event.token_ids)
+                if not args.json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            elif isinstance(event, Error):
+                raise GenerationError(event.message, invalid_request=event.code is ErrorCode.INVALID_REQUEST)
+            elif isinstance(event, End):
+                report(args.json, event, "".join(pieces), token_ids, info.weight_bytes)
+    finally:
+        engine.close()
+    return 0
+
+
+def report(as_json: bool, end: End, text: str, token_ids: list[int], weight_bytes: int) -> None:
+    """The end of a generation: one JSON object on stdout with --json, else a summary line on stderr."""
+    if as_json:
+        summary = {
+            "text": text,
+            "token_ids": token_ids,
+            "prompt_tokens": end.prompt_tokens,
+            "tokens_out": end.tokens_out,
+            "stop_reason": end.stop_reason.value,
+            "seed": end.seed,
+        }
+        print(json.dumps(summary, ensure_ascii=False))
+        return
+    rate = (end.tokens_out - 1) / end.decode_time_s if end.tokens_out > 1 and end.decode_time_s > 0 else 0.0
+    print(file=sys.stdout)
+    print(
+        f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, {rate:.1f} tok/s, "
+        f"seed {end.seed}; memory: {weight_bytes / 2**20:.0f} MiB weights + {end.kv_cache_bytes / 2**20:.1f} MiB "
+        "KV cache",
+        file=sys.stderr,
+    )
