@@ -42,10 +42,10 @@ class Steps:
         sequences = [c.sequence for c in chunks]
         with self._failing(sequences):
             rows = [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
-            sampled = iter(self.runner.prefill(rows))
+            sampled = self.runner.prefill(rows)
             for chunk in chunks:
                 self.scheduler.prefilled(chunk)
-            self._take([c.sequence for c in chunks if c.completes_prompt], list(sampled))
+            self._take([c.sequence for c in chunks if c.completes_prompt], sampled)
 
     def decode(self, sequences: list[Sequence]) -> None:
         """One token for each sequence: one batched forward (a forward each in deterministic mode), or on a GPU a step
