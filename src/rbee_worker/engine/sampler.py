@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.selection import block_sums, candidate_draw, radix_top_k_top_p, scale_by, search
+from rbee_worker.engine.selection import block_sums, candidate_draw, keys_of, radix_top_k_top_p, scale_by, search
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 # pack's row layout: token, valid, logprob, then (id, logprob) of the MAX_TOP_LOGPROBS most likely tokens.
@@ -229,7 +229,7 @@ def _draw_with_candidates(
     tokens where the cut provably falls among them (selection.candidate_draw), wider sets for the rows left, and the
     radix select for the rest; rows without those filters draw from the whole row. Synchronizes with the device, and
     indexes row subsets only where the rows differ (a copy of a subset costs as much as the draw)."""
-    scaled = (x - top[:, None]).div_(state.temperature[slots][:, None])  # as _scaled computes it
+    scaled = _scaled(x, top, state, slots)
     relative = scaled.clamp(min=_EXP_FLOOR).exp_()
     min_p = state.min_p[slots][:, None]
     keep = relative >= min_p if bool((min_p > 0).any()) else None
@@ -360,13 +360,9 @@ def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> tor
     return (x - penalty).clamp_(max=_FLOAT32.max)
 
 
-def _scaled(
-    x: torch.Tensor, top: torch.Tensor, state: SamplerState, slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """s = (x - max) / T <= 0, as sampling.py computes it, and the keys that order the tokens from the most likely:
-    the bits of -s (>= 0: the sign bit cleared, so -0.0 is +0.0)."""
-    scaled = (x - top[:, None]).div_(state.temperature[slots][:, None])
-    return scaled, scaled.view(torch.int32).long().bitwise_and_(0x7FFFFFFF)
+def _scaled(x: torch.Tensor, top: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
+    """s = (x - max) / T <= 0, as sampling.py computes it."""
+    return (x - top[:, None]).div_(state.temperature[slots][:, None])
 
 
 def _kept_weights(
@@ -380,11 +376,12 @@ def _kept_weights(
     top-k, top-p and min-p keep it, else 0. An invalid row's garbage (NaN) never gets a weight, and every index
     computed from it stays in range. In-place operations where they can: on a CPU, fresh buffers of this size cost
     more in page faults than the arithmetic."""
-    scaled, keys = _scaled(x, top, state, slots)
+    scaled = _scaled(x, top, state, slots)
+    keys = keys_of(scaled) if features.filters else None  # before exp_ overwrites `scaled`
     relative = scaled.clamp_(min=_EXP_FLOOR).exp_()
     keep = relative >= state.min_p[slots][:, None]  # False for NaN
     weights = relative.mul_(_WEIGHT_ONE).long()
-    if features.filters:
+    if keys is not None:
         top_k = state.top_k[slots][:, None] if features.top_k else None
         keep &= radix_top_k_top_p(keys, weights, top_k, state.top_p[slots][:, None])
     return weights.mul_(keep)

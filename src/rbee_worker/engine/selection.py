@@ -30,6 +30,12 @@ _RADIX_SMALL = ((20, 11), (10, 10), (0, 10))
 _BLOCK = 256  # the most columns of a block in search
 
 
+def keys_of(scaled: torch.Tensor) -> torch.Tensor:
+    """The keys of temperature-scaled logits s <= 0: the bits of -s as int64 (the sign bit cleared, so -0.0 is +0.0),
+    smaller for more likely tokens."""
+    return scaled.view(torch.int32).long().bitwise_and_(0x7FFFFFFF)
+
+
 def scale_by(fraction: torch.Tensor, n: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """floor((fraction * n + offset) / 2**53), exactly, for 0 <= fraction <= 2**53, 0 <= n < 2**59, offset 0 or -1.
     The product needs up to 112 bits: with fraction = a * 2**27 + b and n = c * 2**30 + d, it is
@@ -134,7 +140,7 @@ def candidate_draw(
     must be drawn from the whole row; their token here is garbage."""
     vocab = scaled.shape[1]
     values, ids = scaled.topk(width, 1)
-    keys = values.view(torch.int32).long().bitwise_and_(0x7FFFFFFF)  # the bits of -s, as the radix select's keys
+    keys = keys_of(values)
     order = (keys * vocab + ids).sort(1).indices  # by key, then by id: the order the cut rules count in
     ids, keys = ids.gather(1, order), keys.gather(1, order)
     w = weights.gather(1, ids)
