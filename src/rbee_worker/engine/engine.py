@@ -69,6 +69,7 @@ class Engine:
         self._observer = observer
         self._load = load
         self._loaded: LoadedModel | None = None
+        self._token_texts: dict[int, str] = {}
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
         self._inbox: queue.SimpleQueue[Sequence | str | None] = queue.SimpleQueue()
@@ -122,8 +123,12 @@ class Engine:
         return self.loaded.tokenizer.decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
-        """One token's own text (a partial UTF-8 character decodes to U+FFFD)."""
-        return self.loaded.tokenizer.decode([token_id])
+        """One token's own text (a partial UTF-8 character decodes to U+FFFD), decoded once per id: logprobs ask for
+        six tokens' texts per generated token (the chosen one and the top five), a tokenizer call each otherwise."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.loaded.tokenizer.decode([token_id])
+        return text
 
     @functools.cached_property
     def vocab_size(self) -> int:

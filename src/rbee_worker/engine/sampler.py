@@ -194,6 +194,13 @@ def sample(
         bits = _draw_bits(state.stream[slots], state.counter[slots])[:, None]
         if host_sync and features.filters:
             drawn = _draw_with_candidates(x, top, state, slots, features, bits)
+        elif x.is_cuda:
+            from rbee_worker.engine import sampler_triton  # Triton: not on CPU-only machines
+
+            drawn = sampler_triton.draw(
+                x, top, state.temperature[slots], state.top_k[slots] if features.top_k else None,
+                state.top_p[slots] if features.filters else None, state.min_p[slots], bits.squeeze(1),
+            )  # fmt: skip
         else:
             drawn = _draw(_kept_weights(x, top, state, slots, features), bits)
         tokens = torch.where(state.greedy[slots], best, drawn)

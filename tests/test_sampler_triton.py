@@ -1,0 +1,86 @@
+"""The Triton draw (engine/sampler_triton.py) against the sampler's tensor path (engine/sampler.py's `_draw` of
+`_kept_weights`, the radix select of selection.py): the same token for every row, over mixes of settings, flat and
+peaked rows, ties at the cuts, bfloat16 and float32 logits, rows that mask tokens and invalid rows.
+
+On a GPU the kernels run compiled; everywhere else Triton's interpreter runs them on the CPU, in a child process
+(the interpreter is chosen when Triton is imported), with numpy's exp in place of libdevice's.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rbee_worker.engine import sampler
+from rbee_worker.engine.sampler import SamplerFeatures, SamplerState
+from rbee_worker.engine.sampling import SamplingParams
+
+SETTINGS = [
+    SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+    for t, k, p, m in [
+        (0.7, 0, 0.9, 0.0), (0.3, 0, 0.9, 0.0), (1.0, 50, 1.0, 0.0), (1.5, 5, 0.5, 0.05), (0.7, 0, 1.0, 0.05),
+        (1.0, 2000, 0.99, 0.0), (0.7, 64, 1.0, 0.0), (2.0, 0, 0.999, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 0, 0.2, 0.0),
+        (0.7, 1, 0.9, 0.0), (1.0, 0, 0.0, 0.0),
+    ]
+]  # fmt: skip
+FEATURES = [SamplerFeatures(sampling=True), SamplerFeatures(filters=True), SamplerFeatures(top_k=True)]
+
+
+def compare_with_tensor_path(device: str, rows: int, vocab: int, trials: int) -> int:
+    """Draws each trial's rows by both paths under each stage set of FEATURES; returns how many draws were compared.
+    Odd trials round the logits (ties, at the cuts too) and spread them more; trial 2 makes one row flat, one row
+    NaN and one row all -inf."""
+    from rbee_worker.engine import sampler_triton
+
+    generator = torch.Generator().manual_seed(vocab)
+    state = SamplerState(rows, vocab, device)
+    slots = torch.arange(rows, device=device)
+    compared = 0
+    for trial in range(trials):
+        for slot in range(rows):
+            state.assign(slot, SETTINGS[(trial + slot) % len(SETTINGS)], 2**63 + 977 * trial + slot, [])
+        logits = torch.randn(rows, vocab, generator=generator) * (1.0 + 3 * (trial % 3))
+        if trial % 2:
+            logits = logits.round()
+        if trial == 2:
+            logits[0] = 0.0
+            logits[1, 7] = torch.nan
+            logits[2] = -torch.inf
+        logits = logits.to(device=device, dtype=torch.bfloat16 if trial % 2 else torch.float32)
+        for features in FEATURES:
+            x, top, _, valid = sampler._scores(logits, state, slots, features)
+            bits = sampler._draw_bits(state.stream[slots], state.counter[slots] + trial)
+            expected = sampler._draw(sampler._kept_weights(x, top, state, slots, features), bits[:, None])
+            drawn = sampler_triton.draw(
+                x, top, state.temperature[slots], state.top_k[slots] if features.top_k else None,
+                state.top_p[slots] if features.filters else None, state.min_p[slots], bits,
+            )  # fmt: skip
+            assert ((drawn >= 0) & (drawn < vocab)).all(), (trial, features)
+            mismatch = (drawn != expected) & valid
+            assert not mismatch.any(), (trial, features, mismatch.nonzero().tolist())
+            compared += int(valid.sum())
+    return compared
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("rows", "vocab"), [(16, 4096), (8, 50_000), (3, 128_256)])
+def test_compiled_kernels_draw_the_tokens_of_the_tensor_path(rows: int, vocab: int) -> None:
+    assert compare_with_tensor_path("cuda", rows, vocab, trials=6) > 0
+
+
+def test_interpreted_kernels_draw_the_tokens_of_the_tensor_path() -> None:
+    """The kernels' logic on a machine without a GPU: a vocabulary of three chunks, the last one partial."""
+    pytest.importorskip("triton")
+    check = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_sampler_triton as t; "
+        "print(t.compare_with_tensor_path('cpu', 12, 9000, trials=4))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", check, str(Path(__file__).parent)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 100
