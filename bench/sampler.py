@@ -6,6 +6,7 @@ logits, for a few batch sizes and vocabularies, every row of a step in the same 
 On CUDA each (rows, vocab, mode) is captured once as a CUDA graph and replayed, as the engine's decode graphs run the
 sampler (the argmax too, and both are also timed eagerly); on the CPU everything runs eagerly. Prints a table of
 milliseconds per step (and x argmax) and writes bench/results/sampler/sampler_<device>_<cpu or card>.json.
+`--profile` also prints, per (rows, vocab, mode), the device time of each kernel of one eager call (torch.profiler).
 """
 
 import argparse
@@ -85,7 +86,19 @@ def measure(rows: int, vocab: int, args: argparse.Namespace) -> dict:
         figures["x_argmax"] = figures["ms"] / result["argmax"]["ms"]
         result["modes"][mode] = figures
         print(rows, vocab, mode, json.dumps(figures), flush=True)
+        if args.profile:
+            profile(lambda state=state, features=features: pack(sample(logits, state, slots, live, features)))
     return result
+
+
+def profile(run: Callable[[], object]) -> None:
+    """The kernels of one call and their device time, longest first."""
+    run()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        run()
+        torch.cuda.synchronize()
+    print(profiler.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:
@@ -97,6 +110,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="calls per timing")
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU")
+    parser.add_argument("--profile", action="store_true", help="print each kernel's device time (CUDA)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/sampler"))
     args = parser.parse_args()
     args.dtype = getattr(torch, args.dtype)
