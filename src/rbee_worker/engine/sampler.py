@@ -15,8 +15,9 @@ A row, all on the device:
    around it nor on the device's reduction order. A token with e < 2**-40 (a probability below 1e-12 of the top
    token's) has weight 0 and is never drawn.
 3. Top-k, then top-p over its survivors (TopKLogitsWarper's and TopPLogitsWarper's rules, ties of the
-   temperature-scaled logits): exactly, in integers, by selection.py's radix select; with `host_sync`, from candidate
-   sets where the cut provably falls inside them (the same tokens, without the select's histograms).
+   temperature-scaled logits): exactly, in integers, by selection.py's radix select; on CUDA, the same select and
+   draw as Triton kernels that keep no [rows, vocab] intermediates (sampler_triton.py); with `host_sync`, from
+   candidate sets where the cut provably falls inside them (the same tokens, without the select's histograms).
 4. Min-p: keep e >= min_p (e is the probability relative to the top token's).
 5. Draw: target = floor(u * total kept weight) for the row's uniform u = k / 2**53 (`uniform`), and the first token
    in id order whose cumulative kept weight exceeds it: inverse CDF, found without a scan of the whole row

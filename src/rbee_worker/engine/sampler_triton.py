@@ -11,8 +11,8 @@ turn, each a launch inside the decode step's CUDA graph:
 
 1. Top-k (if asked), then top-p: the radix select of selection.py, digit by digit (15 then 16 bits of the 31-bit
    key): `_histogram` adds each token that shares the digits found so far into its next digit's bin (atomic adds;
-   tokens of weight 0 skipped), `_pick` (a program per row) finds the digit where the cumulative weight reaches what
-   is still needed, and empties the histogram for the next pass.
+   tokens of weight 0 skipped), `_block_sums` sums the bins in blocks, and `_pick` (a program per row) finds the
+   block, then the digit, where the cumulative weight reaches what is still needed.
 2. The tie at the cut: `_chunk_sums` of the tied tokens' weights, `_find` the last tied token kept (id order).
 3. The draw: `_chunk_sums` of the kept weights (min-p applied), `_find` the first token in id order whose cumulative
    kept weight exceeds floor(u * total).
@@ -30,7 +30,7 @@ from triton.language.extra import libdevice
 
 CHUNK = 4096  # tokens per program
 BLOCK = 1024  # tokens per step of a program's loop
-HISTOGRAM_BLOCK = 2048  # bins per step of _pick's scan
+HISTOGRAM_BLOCK = 2048  # bins per block of _block_sums (a program each) and of _pick
 # The select's digits (shift, bits), most significant first: selection._RADIX_LARGE.
 _RADIX = ((16, 15), (0, 16))
 _WEIGHT_ONE = 2.0**40
@@ -118,25 +118,34 @@ def _histogram(
 
 
 @triton.jit
+def _block_sums(histogram_ptr, sums_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Each block of BLOCK bins of a row's histogram summed (a program per block), for _pick."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    counts = tl.load(histogram_ptr + row * (1 << BITS) + block * BLOCK + tl.arange(0, BLOCK))
+    tl.store(sums_ptr + row * ((1 << BITS) // BLOCK) + block, tl.sum(counts))
+
+
+@triton.jit
 def _pick(
-    histogram_ptr, state_ptr, top_p_ptr,
+    histogram_ptr, sums_ptr, state_ptr, top_p_ptr,
     BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, TOP_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """A program per row: the digit whose bin holds the weight still needed (the first whose cumulative weight
-    reaches need - before), appended to the prefix. The FIRST top-p pass also sets what is needed from the row's
-    total: top_p's mass + 1, at most the total (kept in registers: a load of what this program stored need not see
-    it). The LAST pass stores the cut (top-k: the k-th key; top-p: the cut and the weight of the keys below it)."""
+    reaches need - before), appended to the prefix; found in two steps, the block of bins from _block_sums, then the
+    bin within it. The FIRST top-p pass also sets what is needed from the row's total: top_p's mass + 1, at most
+    the total (kept in registers: a load of what this program stored need not see it). The LAST pass stores the cut
+    (top-k: the k-th key; top-p: the cut and the weight of the keys below it)."""
     row = tl.program_id(0).to(tl.int64)
     state = state_ptr + row * _COLUMNS
-    bins = histogram_ptr + row * (1 << BITS)
+    blocks = tl.arange(0, (1 << BITS) // BLOCK)
+    sums = tl.load(sums_ptr + row * ((1 << BITS) // BLOCK) + blocks)
     need = tl.load(state + _NEED)
     if FIRST:
         prefix = tl.zeros([], tl.int64)
         before = tl.zeros([], tl.int64)
         if TOP_P:
-            total = tl.zeros([], tl.int64)
-            for offset in range(0, 1 << BITS, BLOCK):
-                total += tl.sum(tl.load(bins + offset + tl.arange(0, BLOCK)))
+            total = tl.sum(sums)
             mass = tl.maximum(_scale_by(tl.load(top_p_ptr + row), total, -1), 0)
             need = tl.minimum(mass + 1, total)
             tl.store(state + _MASS, mass)
@@ -145,22 +154,14 @@ def _pick(
         prefix = tl.load(state + _PREFIX)
         before = tl.load(state + _BEFORE)
     target = need - before - 1
-    chosen = tl.full([], (1 << BITS) - 1, tl.int64)
-    below = tl.zeros([], tl.int64)
-    found = tl.zeros([], tl.int1)
-    carry = tl.zeros([], tl.int64)
-    for offset in range(0, 1 << BITS, BLOCK):
-        columns = offset + tl.arange(0, BLOCK)
-        counts = tl.load(bins + columns)
-        cumulative = carry + tl.cumsum(counts, 0)
-        first = tl.min(tl.where(cumulative > target, columns, 1 << BITS))
-        here = (first < (1 << BITS)) & ~found
-        chosen = tl.where(here, first, chosen)
-        below = tl.where(here, carry + tl.sum(tl.where(columns < first, counts, 0)), below)
-        found |= here
-        carry += tl.sum(counts)
-    prefix = (prefix << BITS) | chosen
-    before += below
+    # The first block, then the first bin in it, whose cumulative weight exceeds the target (the last if none does).
+    block = tl.min(tl.where(tl.cumsum(sums, 0) > target, blocks, (1 << BITS) // BLOCK - 1))
+    carry = tl.sum(tl.where(blocks < block, sums, 0))
+    columns = tl.arange(0, BLOCK)
+    counts = tl.load(histogram_ptr + row * (1 << BITS) + block * BLOCK + columns)
+    column = tl.min(tl.where(carry + tl.cumsum(counts, 0) > target, columns, BLOCK - 1))
+    prefix = (prefix << BITS) | (block * BLOCK + column)
+    before += carry + tl.sum(tl.where(columns < column, counts, 0))
     tl.store(state + _PREFIX, prefix)
     tl.store(state + _BEFORE, before)
     if LAST:
@@ -268,9 +269,12 @@ def draw(
                     SHIFT=shift, BITS=bits_, FIRST=i == 0, WEIGHTED=weighted,
                     BELOW_KTH=weighted and top_k is not None, **common,
                 )  # fmt: skip
+                blocks = (1 << bits_) // HISTOGRAM_BLOCK
+                block_sums = torch.empty(rows, blocks, dtype=torch.long, device=device)
+                _block_sums[(rows, blocks)](histogram, block_sums, BITS=bits_, BLOCK=HISTOGRAM_BLOCK)
                 _pick[(rows,)](
-                    histogram, state, top_p, BITS=bits_, FIRST=i == 0, LAST=i == len(_RADIX) - 1, TOP_P=weighted,
-                    BLOCK=HISTOGRAM_BLOCK,
+                    histogram, block_sums, state, top_p, BITS=bits_, FIRST=i == 0, LAST=i == len(_RADIX) - 1,
+                    TOP_P=weighted, BLOCK=HISTOGRAM_BLOCK,
                 )  # fmt: skip
         sizes = dict(CHUNKS=sums_width, **common)
         _chunk_sums[grid](x, x.stride(0), vocab, top, temperature, min_p, state, sums, last, KEPT=False, **sizes)
