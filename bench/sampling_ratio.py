@@ -54,9 +54,11 @@ def main() -> None:
         log_path = Path(scratch) / "worker.log"
         process, url, startup_s = start_worker(args, log_path)
         try:
-            # One untimed pass at every concurrency first: the first many-stream run also touches the KV cache's
-            # memory for the first time, which would count against whichever mode came first.
-            asyncio.run(measure_worker(url, spec | {"repeats": 1, "sampling": MODES["greedy"]}))
+            # One untimed pass of every mode at every concurrency first: the first many-stream run also touches the
+            # KV cache's memory for the first time, and a mode's first steps may capture CUDA graphs (logprobs), which
+            # would count against whichever round came first. The timed rounds measure a worker in steady state.
+            for mode in modes:
+                asyncio.run(measure_worker(url, spec | {"repeats": 1, "sampling": MODES[mode]}))
             # Rounds of every mode in turn, medians over the rounds: a drift of the machine's speed (a shared VM)
             # then weighs on every mode alike.
             rounds: dict[str, list[dict]] = {mode: [] for mode in modes}

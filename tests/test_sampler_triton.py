@@ -1,6 +1,7 @@
-"""The Triton draw (engine/sampler_triton.py) against the sampler's tensor path (engine/sampler.py's `_draw` of
-`_kept_weights`, the radix select of selection.py): the same token for every row, over mixes of settings, flat and
-peaked rows, ties at the cuts, bfloat16 and float32 logits, rows that mask tokens and invalid rows.
+"""The Triton kernels of engine/sampler_triton.py against the sampler's tensor path (engine/sampler.py): the draw
+against `_draw` of `_kept_weights` (the radix select of selection.py), the same token for every row, over mixes of
+settings, flat and peaked rows, ties at the cuts, bfloat16 and float32 logits and invalid rows; the penalties
+against `_penalized` on the CPU, bit for bit (elementwise float32 products round alike on every device).
 
 On a GPU the kernels run compiled; everywhere else Triton's interpreter runs them on the CPU, in a child process
 (the interpreter is chosen when Triton is imported), with numpy's exp in place of libdevice's.
@@ -65,18 +66,59 @@ def compare_with_tensor_path(device: str, rows: int, vocab: int, trials: int) ->
     return compared
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def compare_penalties(device: str, vocab: int) -> int:
+    """Penalized logits of both paths for rows of every penalty kind, bfloat16 and float32 logits, with values
+    that the penalties push past float32's range; returns how many logits were compared."""
+    from rbee_worker.engine import sampler_triton
+
+    generator = torch.Generator().manual_seed(vocab)
+    params = [
+        SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
+        for r, p, f in [(1.3, 0.0, 0.0), (0.8, 0.5, 0.2), (1.0, -1.5, 0.7), (1.1, 2.0, -0.3), (1.0, 0.0, 0.0)]
+    ]
+    state = SamplerState(len(params), vocab, "cpu")
+    for slot, p in enumerate(params):
+        state.assign(slot, p, slot, torch.randint(0, vocab, (300,), generator=generator).tolist())
+    state.counts += torch.randint(0, 3, state.counts.shape, generator=generator, dtype=torch.int32) * (
+        torch.rand(state.counts.shape, generator=generator) < 0.01
+    )
+    slots = torch.tensor([4, 2, 0, 3, 1, 2])
+    compared = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(len(slots), vocab, generator=generator) * 4).to(dtype)
+        x[:, :8] = torch.tensor([3.0e38, -3.0e38, 0.0, -0.0, 1e-30, -torch.inf, 2.5, -2.5]).to(dtype)
+        expected = sampler._penalized(x, state, slots)
+        on = {name: getattr(state, name).to(device) for name in ("counts", "repetition", "presence", "frequency")}
+        got = sampler_triton.penalize(
+            x.to(device), on["counts"], slots.to(device), on["repetition"], on["presence"], on["frequency"],
+            sampler._IN_PROMPT,
+        ).cpu()  # fmt: skip
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (got - expected).abs().max()
+        compared += got.numel()
+    return compared
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@CUDA
 @pytest.mark.parametrize(("rows", "vocab"), [(16, 4096), (8, 50_000), (3, 128_256)])
 def test_compiled_kernels_draw_the_tokens_of_the_tensor_path(rows: int, vocab: int) -> None:
     assert compare_with_tensor_path("cuda", rows, vocab, trials=6) > 0
 
 
-def test_interpreted_kernels_draw_the_tokens_of_the_tensor_path() -> None:
+@CUDA
+@pytest.mark.parametrize("vocab", [4096, 128_256])
+def test_compiled_penalties_equal_the_tensor_path(vocab: int) -> None:
+    assert compare_penalties("cuda", vocab) > 0
+
+
+def test_interpreted_kernels_give_what_the_tensor_path_gives() -> None:
     """The kernels' logic on a machine without a GPU: a vocabulary of three chunks, the last one partial."""
     pytest.importorskip("triton")
     check = (
         "import sys; sys.path.insert(0, sys.argv[1]); import test_sampler_triton as t; "
-        "print(t.compare_with_tensor_path('cpu', 12, 9000, trials=4))"
+        "print(t.compare_with_tensor_path('cpu', 12, 9000, trials=4) + t.compare_penalties('cpu', 9000))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(

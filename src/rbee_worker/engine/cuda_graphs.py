@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, prefill_mask
-from rbee_worker.engine.sampler import PACKED_WIDTH, SamplerFeatures, SamplerState, pack, sample
+from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, PACKED_WIDTH, SamplerFeatures, SamplerState, pack, sample
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_SPAN = 128
@@ -24,6 +24,18 @@ MIN_CHUNK = 16  # the shortest prompt-chunk bucket
 
 def bucket(value: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= value)
+
+
+def graph_features(features: SamplerFeatures) -> SamplerFeatures:
+    """The sampler stages of the graph that runs a decode step needing `features`. A sampled step runs top-k, top-p
+    and the penalties whatever its rows ask (each a no-op for a row without it: top_k = the vocabulary, penalties 1
+    and 0), and a step with logprobs computes MAX_TOP_LOGPROBS alternatives (a row reads the ones it asked for). So
+    two graphs per (rows, span), captured before ready, serve every mix of chat settings, instead of a graph per
+    combination captured when a request first brings it, which stalls every running stream for the capture."""
+    logprobs = -1 if features.top_logprobs < 0 else MAX_TOP_LOGPROBS
+    if not features.sampling:
+        return SamplerFeatures(penalties=features.penalties, masks=features.masks, top_logprobs=logprobs)
+    return SamplerFeatures(top_k=True, penalties=True, masks=features.masks, top_logprobs=logprobs)
 
 
 class LaunchedStep:
@@ -42,7 +54,8 @@ class LaunchedStep:
 
 
 class DecodeGraphs:
-    """Decode steps, each with the sampler after the forward, as graphs per (rows, span, sampler features)."""
+    """Decode steps, each with the sampler after the forward, as graphs per (rows, span, graph_features of the
+    step's sampler features)."""
 
     def __init__(
         self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype, state: SamplerState
@@ -76,12 +89,13 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self, max_span: int, features: list[SamplerFeatures]) -> None:
-        """Capture every batch bucket for the spans up to max_span with each of `features`, so that no request of
-        those kinds pays for a capture."""
+        """Capture every batch bucket for the spans up to max_span with the graph of each of `features`
+        (graph_features), so that no request of those kinds pays for a capture."""
+        kinds = dict.fromkeys(graph_features(kind) for kind in features)
         for rows in self.row_buckets:
             for span in self.span_buckets:
                 if span <= max(max_span, MIN_SPAN):
-                    for kind in features:
+                    for kind in kinds:
                         self._graph(rows, span, kind)
 
     def shape(self, count: int, longest: int) -> tuple[int, int]:
@@ -89,7 +103,7 @@ class DecodeGraphs:
         return bucket(count, self.row_buckets), bucket(longest, self.span_buckets)
 
     def captured(self, count: int, longest: int, features: SamplerFeatures) -> bool:
-        return (*self.shape(count, longest), features) in self.graphs
+        return (*self.shape(count, longest), graph_features(features)) in self.graphs
 
     def launch(
         self,
@@ -108,7 +122,7 @@ class DecodeGraphs:
         chosen tokens: chain only onto a step of a captured graph."""
         count = len(tokens)
         rows, span = self.shape(count, max(lengths))
-        graph, packed, _ = self._graph(rows, span, features)
+        graph, packed, _ = self._graph(rows, span, graph_features(features))
         turn = self.launches % 2
         self.launches += 1
         pad = rows - count

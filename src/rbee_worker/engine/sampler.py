@@ -359,7 +359,13 @@ def _scores(
 def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
     """sampling.py's penalties, in the same float32 operations (the result is float32): the repetition penalty over
     the prompt and generated tokens (positive logits / r, negative * r), then presence and frequency over generated
-    ones; penalty overflow to +inf is clamped to the largest float, which keeps the order and a valid softmax."""
+    ones; penalty overflow to +inf is clamped to the largest float, which keeps the order and a valid softmax. On
+    CUDA in one Triton kernel (the same float32 operations), not a pass over [rows, vocab] per operation."""
+    if x.is_cuda:
+        from rbee_worker.engine import sampler_triton  # Triton: not on CPU-only machines
+
+        penalties = state.repetition, state.presence, state.frequency
+        return sampler_triton.penalize(x, state.counts, slots, *penalties, _IN_PROMPT)
     counts = state.counts[slots]
     generated = (counts & (_IN_PROMPT - 1)).float()
     rep = state.repetition[slots][:, None]

@@ -231,6 +231,53 @@ def _find(
         tl.store(out_ptr + row, chosen)
 
 
+@triton.jit
+def _penalize(
+    x_ptr, stride, out_ptr, counts_ptr, slots_ptr, repetition_ptr, presence_ptr, frequency_ptr, vocab,
+    IN_PROMPT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """sampler._penalized for a chunk of a row: the repetition penalty where the token is in the prompt or generated
+    (x / r above 0, x * r below), then x - (frequency * generated + presence * (generated > 0)), at most the largest
+    float32; launched without fp fusion, so that each product rounds as torch's separate kernels round it."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    repetition = tl.load(repetition_ptr + slot)
+    presence = tl.load(presence_ptr + slot)
+    frequency = tl.load(frequency_ptr + slot)
+    for offset in range(0, CHUNK, BLOCK):
+        ids = tl.program_id(1) * CHUNK + offset + tl.arange(0, BLOCK)
+        inside = ids < vocab
+        x = tl.load(x_ptr + row * stride + ids, mask=inside, other=0.0).to(tl.float32)
+        counts = tl.load(counts_ptr + slot * vocab + ids, mask=inside, other=0)
+        generated = (counts & (IN_PROMPT - 1)).to(tl.float32)
+        x = tl.where(counts != 0, tl.where(x < 0, x * repetition, tl.math.div_rn(x, repetition)), x)
+        x = x - (frequency * generated + presence * (generated > 0).to(tl.float32))
+        x = tl.minimum(x, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out_ptr + row * vocab + ids, x, mask=inside)
+
+
+def penalize(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    slots: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    in_prompt: int,
+) -> torch.Tensor:
+    """sampler._penalized in one pass: the penalized logits [rows, vocab] float32 of `x` (any float dtype), from the
+    slots' token `counts` [slots, vocab] int32 (`in_prompt`: the bit marking a prompt token) and their penalties
+    (float32 [slots]); `slots`: [rows] int64."""
+    rows, vocab = x.shape
+    x = x.contiguous()
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=x.device)
+    _penalize[(rows, triton.cdiv(vocab, CHUNK))](
+        x, x.stride(0), out, counts, slots, repetition, presence, frequency, vocab,
+        IN_PROMPT=in_prompt, CHUNK=CHUNK, BLOCK=BLOCK, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
 def draw(
     x: torch.Tensor,
     top: torch.Tensor,
