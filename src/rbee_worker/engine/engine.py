@@ -13,12 +13,14 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.detokenizer import Detokenizer
+from rbee_worker.engine.mailbox import LoopMailbox
 from rbee_worker.engine.runner import ModelRunner
 from rbee_worker.engine.sampler import check_seed
 from rbee_worker.engine.sampling import random_seed
@@ -70,6 +72,7 @@ class Engine:
         self._load = load
         self._loaded: LoadedModel | None = None
         self._token_texts: dict[int, str] = {}
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
         self._inbox: queue.SimpleQueue[Sequence | str | None] = queue.SimpleQueue()
@@ -204,8 +207,11 @@ class Engine:
         Only queues cross threads here: the event loop never runs model code (see the class docstring).
         """
         loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = LoopMailbox(loop)
         events: asyncio.Queue[Event] = asyncio.Queue()
-        self.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        self.submit(request, lambda event: mailbox.post(events.put_nowait, event))
         return self._receive(request.request_id, events)
 
     async def _receive(self, request_id: str, events: "asyncio.Queue[Event]") -> AsyncIterator[Event]:
