@@ -100,6 +100,19 @@ def compare_penalties(device: str, vocab: int) -> int:
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    from rbee_worker.engine import sampler_triton
+
+    @triton.jit
+    def _relative_probabilities(s_ptr, e_ptr, n, BLOCK: tl.constexpr):
+        """exp(s) as the kernels' weights compute it."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        _, e = sampler_triton._weights(tl.load(s_ptr + i, mask=i < n))
+        tl.store(e_ptr + i, e, mask=i < n)
+
 
 @CUDA
 @pytest.mark.parametrize(("rows", "vocab"), [(16, 4096), (8, 50_000), (3, 128_256)])
@@ -111,6 +124,20 @@ def test_compiled_kernels_draw_the_tokens_of_the_tensor_path(rows: int, vocab: i
 @pytest.mark.parametrize("vocab", [4096, 128_256])
 def test_compiled_penalties_equal_the_tensor_path(vocab: int) -> None:
     assert compare_penalties("cuda", vocab) > 0
+
+
+@CUDA
+def test_libdevice_exp_equals_torch_exp_on_every_float_the_weights_use() -> None:
+    """The weights are floor(2**40 * exp(s)) for s in [-64, 0]: the kernels' exp (libdevice's expf) must round as
+    torch.exp does on CUDA, for each of those 1.1e9 float32 values, for the draws to be the tensor path's."""
+    last = int(torch.tensor(64.0).view(torch.int32))  # the bits of 64.0; with the sign bit, -64.0
+    step = 1 << 27
+    for start in range(0, last + 1, step):
+        bits = torch.arange(start, min(start + step, last + 1), device="cuda", dtype=torch.int64) - 2**31
+        s = bits.to(torch.int32).view(torch.float32)  # -0.0 .. -64.0
+        e = torch.empty_like(s)
+        _relative_probabilities[(triton.cdiv(s.numel(), 4096),)](s, e, s.numel(), BLOCK=4096)
+        assert torch.equal(e.view(torch.int32), torch.exp(s).view(torch.int32)), start
 
 
 def test_interpreted_kernels_give_what_the_tensor_path_gives() -> None:
