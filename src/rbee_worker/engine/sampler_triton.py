@@ -4,7 +4,7 @@
 Why: the tensor path writes and reads keys, digits, weights and masks as int64 tensors of the logits' shape, some
 twenty passes over memory (64 rows of a 128k vocabulary: 64 MB each), and its step time grows with them. Here every
 kernel reads the logits and recomputes a token's key and weight in registers; what crosses between kernels is a few
-numbers per row (`_State`) and per-chunk sums.
+numbers per row (the state columns below) and per-chunk sums.
 
 Each row is cut into chunks of CHUNK tokens, a program each (a row of 128k tokens: 32 programs), and the kernels run in
 turn, each a launch inside the decode step's CUDA graph:
@@ -33,8 +33,8 @@ BLOCK = 1024  # tokens per step of a program's loop
 HISTOGRAM_BLOCK = 2048  # bins per block of _block_sums (a program each) and of _pick
 # The select's digits (shift, bits), most significant first: selection._RADIX_LARGE.
 _RADIX = ((16, 15), (0, 16))
-_WEIGHT_ONE = 2.0**40
-_EXP_FLOOR = -64.0
+_WEIGHT_ONE = tl.constexpr(2.0**40)  # the top token's weight (sampler._WEIGHT_ONE)
+_EXP_FLOOR = tl.constexpr(-64.0)  # s is clamped here before exp (sampler._EXP_FLOOR)
 _NO_CUT = 2**31
 # Triton's interpreter (tests on a machine without a GPU) has no libdevice: numpy's exp stands in there.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -68,8 +68,9 @@ def _tokens(x_ptr, row, stride, ids, inside, top, temperature):
 @triton.jit
 def _weights(s):
     """The tokens' weights floor(2**40 * exp(s)) and relative probabilities exp(s) (s clamped at -64)."""
-    e = tl.exp(tl.maximum(s, -64.0)) if _INTERPRETED else libdevice.exp(tl.maximum(s, -64.0))
-    return (e * 1099511627776.0).to(tl.int64), e
+    s = tl.maximum(s, _EXP_FLOOR)
+    e = tl.exp(s) if _INTERPRETED else libdevice.exp(s)
+    return (e * _WEIGHT_ONE).to(tl.int64), e
 
 
 @triton.jit
@@ -303,6 +304,7 @@ def draw(
     top, temperature, min_p = top.float().contiguous(), temperature.contiguous(), min_p.contiguous()
     grid = (rows, chunks)
     common = dict(CHUNK=CHUNK, BLOCK=BLOCK)
+    sizes = dict(CHUNKS=sums_width, **common)
     if top_p is None:
         state[:, _CUT.value] = _NO_CUT
     else:
@@ -323,11 +325,9 @@ def draw(
                     histogram, block_sums, state, top_p, BITS=bits_, FIRST=i == 0, LAST=i == len(_RADIX) - 1,
                     TOP_P=weighted, BLOCK=HISTOGRAM_BLOCK,
                 )  # fmt: skip
-        sizes = dict(CHUNKS=sums_width, **common)
         _chunk_sums[grid](x, x.stride(0), vocab, top, temperature, min_p, state, sums, last, KEPT=False, **sizes)
         _find[grid](x, x.stride(0), vocab, top, temperature, min_p, state, sums, bits, last, KEPT=False, **sizes)
         state[:, _LAST.value] = last
-    sizes = dict(CHUNKS=sums_width, **common)
     _chunk_sums[grid](x, x.stride(0), vocab, top, temperature, min_p, state, sums, out, KEPT=True, **sizes)
     _find[grid](x, x.stride(0), vocab, top, temperature, min_p, state, sums, bits, out, KEPT=True, **sizes)
     return out
