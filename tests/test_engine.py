@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_launched_ahead_as_waiting, submit_together
+from conftest import RUNTIMES, assert_launched_ahead_as_waiting, submit_together
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine import cuda_graphs
@@ -17,6 +17,7 @@ from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
 from rbee_worker.engine.runner import ModelRunner
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
+from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.loader import load_model
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -24,11 +25,22 @@ SAMPLED = SamplingParams(temperature=0.9, top_p=0.95)
 STORY = "Once upon a time, in a small village by the sea,"
 
 
-@pytest.fixture(scope="module")
-def engine(demo_gguf: Path):
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
+@pytest.fixture(scope="module", params=RUNTIMES)
+def engine(demo_gguf: Path, request: pytest.FixtureRequest):
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=request.param))
     yield engine
     engine.close()
+
+
+def kv_bytes_per_position(engine: Engine) -> int:
+    """K and V of one position over every layer: torch's cache in the model's dtype and shape, llama.cpp's in F16
+    with the geometry the GGUF file gives."""
+    if engine.loaded.info.runtime == "torch":
+        config, dtype = engine.loaded.model.config, engine.loaded.info.dtype
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    meta = read_gguf(engine.loaded.info.path).metadata
+    head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
+    return 2 * meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 2
 
 
 def run(engine: Engine, request: Request) -> tuple[list[Event], str, list[int], End | Error]:
@@ -46,9 +58,7 @@ def test_event_order_and_counts(engine: Engine) -> None:
     assert end.tokens_out == len(ids) == 20
     assert text == engine.loaded.tokenizer.decode(ids, skip_special_tokens=True)
     # Measured KV cache: K and V for every layer over every position fed to the model (the last token is not).
-    config, dtype = engine.loaded.model.config, engine.loaded.info.dtype
-    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    assert end.kv_cache_bytes == per_position * (end.prompt_tokens + end.tokens_out - 1)
+    assert end.kv_cache_bytes == kv_bytes_per_position(engine) * (end.prompt_tokens + end.tokens_out - 1)
 
 
 def test_eos_ends_generation_and_is_not_counted(engine: Engine) -> None:
@@ -135,12 +145,15 @@ def test_leaving_the_stream_cancels(engine: Engine) -> None:
     assert engine.in_flight == 0
 
 
-def test_seeded_sampled_request_is_the_same_alone_and_among_15_others_when_deterministic(demo_gguf: Path) -> None:
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_seeded_sampled_request_is_the_same_alone_and_among_15_others_when_deterministic(
+    demo_gguf: Path, runtime: str
+) -> None:
     """With --deterministic, a seeded sampled request gets the tokens of its solo run while 15 other sampled requests
     (other seeds and settings, submitted with it) run: its draws depend on (seed, step) alone and its logits on its
-    own rows alone."""
+    own rows alone (on llama.cpp: one sequence per llama_decode)."""
     engine = Engine(
-        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")),
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=runtime),
         EngineConfig(deterministic=True, max_batch=16),
     )
     try:
@@ -235,11 +248,13 @@ def test_same_request_id_twice_is_refused(engine: Engine) -> None:
         pass
 
 
-def test_slots_then_queue_then_busy(demo_gguf: Path) -> None:
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_slots_then_queue_then_busy(demo_gguf: Path, runtime: str) -> None:
     """max_batch requests run, max_queue wait (Started at once, first token only after a slot frees), the next is
     refused with EngineBusy; all admitted ones finish."""
     engine = Engine(
-        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), EngineConfig(max_batch=2, max_queue=1)
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=runtime),
+        EngineConfig(max_batch=2, max_queue=1),
     )
     try:
         prompt = engine.tokenize(STORY)

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import cli
+from conftest import RUNTIMES, cli
 from serving import (
     LONG,
     PROMPT,
@@ -293,10 +293,11 @@ def open_execute(http: httpx.Client, max_tokens: int) -> httpx.Response:
     return response
 
 
-def test_sigterm_lets_running_jobs_finish_then_sigint_cancels_the_rest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_sigterm_lets_running_jobs_finish_then_sigint_cancels_the_rest(tmp_path: Path, runtime: str) -> None:
     """SIGTERM: new jobs get 503 DRAINING, /health 503 draining, two running jobs finish normally; a second signal
     (SIGINT) cancels the long job at once instead of waiting out --drain-timeout 60; exit code 0."""
-    worker = launch(tmp_path, "--drain-timeout", "60")
+    worker = launch(tmp_path, "--drain-timeout", "60", "--runtime", runtime)
     worker.wait_healthy()
     with httpx.Client(base_url=worker.url, timeout=60) as http:
         short = [open_execute(http, 40) for _ in range(2)]

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import cli, make_tiny_model
+from conftest import cli, make_tiny_model, needs_llama_cpp
 from safetensors.torch import load_file, save_file
 
 # Hide any GPU from the CLI processes so the device cases give the same answer on a CUDA machine as on this one.
@@ -199,10 +199,14 @@ def test_gguf_of_unsupported_architecture(tmp_path: Path) -> None:
     assert_error(generate(model), "tiny-bert.gguf", "'bert'", "architecture")
 
 
-def test_gguf_missing_a_tensor(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("runtime", "missing"),
+    [("torch", "up_proj"), pytest.param("llama.cpp", "blk.1.ffn_up.weight", marks=needs_llama_cpp)],
+)
+def test_gguf_missing_a_tensor(tmp_path: Path, runtime: str, missing: str) -> None:
     model = tmp_path / "incomplete.gguf"
     write_tiny_llama_gguf(model, skip="blk.1.ffn_up.weight")
-    assert_error(generate(model, "--device", "cpu"), "incomplete.gguf", "up_proj")
+    assert_error(generate(model, "--device", "cpu", "--runtime", runtime), "incomplete.gguf", missing)
 
 
 def write_tiny_llama_gguf(path: Path, skip: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import cli
+from conftest import RUNTIMES, cli
 from prometheus_client.parser import text_string_to_metric_families
 from serving import DEMO_NAME, EOS_PROMPT, PROMPT, Worker, running
 
@@ -18,9 +18,14 @@ TOKEN = "test-token-0123456789"
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 
 
+@pytest.fixture(scope="module", params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    with running(tmp_path_factory.mktemp("openai"), env={"LLORCH_API_TOKEN": TOKEN}) as worker:
+def worker(tmp_path_factory: pytest.TempPathFactory, runtime: str) -> Iterator[Worker]:
+    with running(tmp_path_factory.mktemp("openai"), "--runtime", runtime, env={"LLORCH_API_TOKEN": TOKEN}) as worker:
         yield worker
 
 
@@ -110,7 +115,9 @@ def test_seed_replays_a_sample(client: openai.OpenAI) -> None:
     assert len({sample(7), sample(8), sample(9)}) > 1  # the seed really picks the sample
 
 
-def test_seed_gives_the_same_sample_in_another_worker_process(client: openai.OpenAI, tmp_path: Path) -> None:
+def test_seed_gives_the_same_sample_in_another_worker_process(
+    client: openai.OpenAI, tmp_path: Path, runtime: str
+) -> None:
     """A request's draws depend on its seed (all 64 bits) and its token's index alone: a second worker process, with
     nothing else in common, samples the same text for the same seeded request."""
 
@@ -121,7 +128,7 @@ def test_seed_gives_the_same_sample_in_another_worker_process(client: openai.Ope
         return completion.choices[0].message.content
 
     first = sample(client)
-    with running(tmp_path, env={"LLORCH_API_TOKEN": TOKEN}) as second:
+    with running(tmp_path, "--runtime", runtime, env={"LLORCH_API_TOKEN": TOKEN}) as second:
         other = openai.OpenAI(base_url=f"{second.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
         assert sample(other) == first
 

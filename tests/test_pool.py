@@ -34,9 +34,12 @@ PAYLOAD = ReadyPayload(
     memory_bytes=123_456_789,
     backend="cpu",
     device="cpu",
+    runtime="llama.cpp",
     cpu={"arch": "x86_64", "isa": "avx2", "flags": ["avx", "avx2", "f16c", "fma"], "bf16": "emulated", "forced": None},
 )
-CONTRACT_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "cpu"}
+CONTRACT_KEYS = {
+    "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "runtime", "cpu"
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import cli
+from conftest import RUNTIMES, cli
 from serving import (
     DEMO_NAME,
     EOS_PROMPT,
@@ -38,6 +38,7 @@ from serving import (
 )
 
 from rbee_worker.cpu_features import cpu_features
+from rbee_worker.models.llama_cpp_model import llama_cpp_installed
 
 pytestmark = pytest.mark.slow
 
@@ -52,16 +53,27 @@ HEALTH_KEYS = {
     "slots_busy",
     "kv_cache_usage_perc",
     "cpu",
+    "weight_bytes",
+    "kv_cache_bytes",
+    "runtime",
 }
-READY_KEYS = {"worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "cpu"}
+READY_KEYS = {
+    "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "runtime", "cpu"
+}  # fmt: skip
 BEAT_KEYS = {"worker_id", "timestamp", "health_status", "state"}
 CANCEL_LATENCY_S = 1.0  # the brief's bound for "the stream ends / the slot is free after a cancel"
 
 
+@pytest.fixture(scope="module", params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """One worker with default --worker-id and --model-ref, shared by the module; it must exit 0 on SIGTERM."""
-    with running(tmp_path_factory.mktemp("server")) as worker:
+def server(tmp_path_factory: pytest.TempPathFactory, runtime: str) -> Iterator[Worker]:
+    """One worker per runtime with default --worker-id and --model-ref, shared by the module; it must exit 0 on
+    SIGTERM."""
+    with running(tmp_path_factory.mktemp("server"), "--runtime", runtime) as worker:
         yield worker
 
 
@@ -72,11 +84,13 @@ def client(server: Worker) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, Any]:
-    """`rbee-worker generate --json`, greedy, 64 tokens of PROMPT: what the server must stream for the same request."""
+def reference(runtime: str) -> dict[str, Any]:
+    """`rbee-worker generate --json`, greedy, 64 tokens of PROMPT on the server's runtime: what the server must stream
+    for the same request."""
     result = cli(
-        "generate", "--model", "demo", "--prompt", PROMPT, "--max-tokens", "64", "--temperature", "0", "--json"
-    )
+        "generate", "--model", "demo", "--runtime", runtime, "--prompt", PROMPT, "--max-tokens", "64",
+        "--temperature", "0", "--json",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["stop_reason"] == "MAX_TOKENS"  # else PROMPT no longer gives 64 tokens and the tests below weaken
@@ -123,7 +137,7 @@ def open_responses() -> Iterator[list[httpx.Response]]:
 # --- health and readiness ---------------------------------------------------------------------------------------------
 
 
-def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Client) -> None:
+def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Client, runtime: str) -> None:
     # Loading the demo model takes about a second here and the poll runs every 20 ms: a 503 was always seen.
     assert server.loading_bodies, "never saw 503 while the model loaded: the port only answered once it was ready"
     for body in server.loading_bodies:
@@ -138,9 +152,13 @@ def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Clien
     assert body["cpu"] == cpu_features().describe()  # the worker's environment is this process's
     assert body["model"] == DEMO_NAME  # the default --model-ref: the model's own name, not "demo"
     assert body["vram_bytes"] == 0  # CPU
-    # Measured weights (+ KV cache): the Q4_1 file's matrices held as they are (--quantize auto), about 95 MB;
-    # dequantized to bfloat16 they would take about 270 MB.
-    assert isinstance(body["memory_bytes"], int) and 80_000_000 < body["memory_bytes"] < 150_000_000
+    assert body["runtime"] == runtime
+    # Measured weights: the Q4_1 file's matrices held as they are (--quantize auto, or llama.cpp's own figure), about
+    # 95 MB; dequantized to bfloat16 they would take about 270 MB. The KV cache: on torch the part touched so far (none
+    # yet), on llama.cpp all of it, allocated at start: 16 slots of the demo's 8192 tokens at 23040 bytes each.
+    assert 80_000_000 < body["weight_bytes"] < 150_000_000
+    assert body["kv_cache_bytes"] == {"torch": 0, "llama.cpp": 16 * 8192 * 23040}[runtime]
+    assert body["memory_bytes"] == body["weight_bytes"] + body["kv_cache_bytes"]
 
 
 def test_ready(client: httpx.Client) -> None:
@@ -434,8 +452,11 @@ def test_ready_callback_retried_then_heartbeats(tmp_path: Path, manager_factory:
         assert body["model_ref"] == "hf:HuggingFaceTB/SmolLM2-135M-Instruct"
         assert body["uri"] == body["url"] == worker.url
         assert body["cpu"] == cpu_features().describe()
-        # The demo's quantized weights as held (see test_health_reports_loading_then_healthy).
-        assert 80_000_000 < body["memory_bytes"] < 150_000_000 and body["vram_bytes"] == 0
+        # The demo's quantized weights as held and its KV cache (see test_health_reports_loading_then_healthy).
+        health = httpx.get(f"{worker.url}/health").json()
+        assert body["memory_bytes"] == health["weight_bytes"] + health["kv_cache_bytes"] and body["vram_bytes"] == 0
+        # --runtime auto: a GGUF file on the CPU runs on llama.cpp where llama-cpp-python is installed.
+        assert body["runtime"] == health["runtime"] == ("llama.cpp" if llama_cpp_installed() else "torch")
         assert body["backend"] == "cpu" and body["device"] == "cpu"
 
         # Heartbeats start once registered; at 0.5 s a 2 s window holds 4 or 5 of them.

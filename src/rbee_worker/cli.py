@@ -87,6 +87,21 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "head stay); a GGUF file keeps its own types. none: every weight in --dtype",
     )
     group.add_argument(
+        "--runtime",
+        default="auto",
+        choices=["auto", "torch", "llama.cpp"],
+        help="what runs the model: llama.cpp's runtime (llama-cpp-python; GGUF files on cpu or mps, in the file's own "
+        "types: --dtype and --quantize do not apply) or torch (transformers' model classes). auto (default): "
+        "llama.cpp for a GGUF file on cpu or mps where llama-cpp-python is installed, torch otherwise",
+    )
+    group.add_argument(
+        "--threads",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="CPU threads of the forward (default: the physical cores)",
+    )
+    group.add_argument(
         "--deterministic",
         action="store_true",
         help="batch-invariant mode: a request's tokens never depend on other running requests",
@@ -280,9 +295,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from rbee_worker.config import WorkerConfig
     from rbee_worker.devices import resolve_placement
     from rbee_worker.engine.config import EngineConfig
+    from rbee_worker.models.loader import check_runtime
     from rbee_worker.server import serve
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    check_runtime(args.runtime, placement.device)
     config = WorkerConfig(
         engine=EngineConfig(
             deterministic=args.deterministic,
@@ -291,10 +308,12 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
             cuda_graphs=args.cuda_graphs,
             compile_model=compile_model(placement, args),
+            threads=args.threads,
         ),
         model=args.model,
         placement=placement,
         quantize=args.quantize,
+        runtime=args.runtime,
         max_context=args.max_context,
         chat_template=chat_template,
         host=args.host,

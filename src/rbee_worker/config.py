@@ -15,6 +15,7 @@ class WorkerConfig:
     model: str  # MODEL as given: a directory, a .gguf file, a hub id or `demo`
     placement: Placement
     quantize: str  # auto | none | int8 | int4
+    runtime: str  # auto | torch | llama.cpp (models/loader.py resolve_runtime)
     max_context: int | None  # None: the model's own context
     chat_template: str | None  # None: the model's own
     # The HTTP server.

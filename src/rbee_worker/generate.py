@@ -22,17 +22,18 @@ def generate(args: argparse.Namespace) -> int:
     GenerationError for a request the engine refuses or fails."""
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     engine = Engine(
-        lambda: load_model(args.model, placement, quantize=args.quantize),
-        EngineConfig(deterministic=args.deterministic),
+        lambda: load_model(args.model, placement, quantize=args.quantize, runtime=args.runtime),
+        EngineConfig(deterministic=args.deterministic, threads=args.threads),
     )
     try:
         info = engine.loaded.info
         log.info(
-            "loaded %s (%s, %s) on %s as %s in %.2f s, %d MiB of weights",
+            "loaded %s (%s, %s) on %s (%s runtime) as %s in %.2f s, %d MiB of weights",
             info.name,
             info.format,
             info.architecture,
             info.device,
+            info.runtime,
             str(info.dtype).removeprefix("torch."),
             info.load_seconds,
             info.weight_bytes >> 20,

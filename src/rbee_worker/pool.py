@@ -53,6 +53,7 @@ class ReadyPayload:
     memory_bytes: int
     backend: str
     device: str
+    runtime: str  # what runs the model: torch or llama.cpp
     cpu: dict[str, object]  # cpu_features.CpuFeatures.describe(): what the worker's CPU paths are chosen by
 
     def to_json(self) -> dict[str, object]:
@@ -66,6 +67,7 @@ class ReadyPayload:
             "memory_bytes": self.memory_bytes,
             "backend": self.backend,
             "device": self.device,
+            "runtime": self.runtime,
             "cpu": self.cpu,
         }
 

@@ -118,7 +118,13 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     metrics = Metrics()
     engine = Engine(
         lambda: load_model(
-            config.model, config.placement, progress, config.max_context, config.chat_template, config.quantize
+            config.model,
+            config.placement,
+            progress,
+            config.max_context,
+            config.chat_template,
+            config.quantize,
+            config.runtime,
         ),
         config.engine,
         observer=metrics,
@@ -167,14 +173,18 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             server.should_exit = True
             return
         url = advertised_url(config.host, port, config.callback_url)
+        fields = {"worker_id": worker_id, "url": url, "runtime": loaded.info.runtime}
+        fields |= {"weight_bytes": loaded.info.weight_bytes, "kv_cache_bytes": engine.kv_cache_bytes()}
         log.info(
-            "ready: %s on %s at %s (loaded in %.2f s, %.0f MiB of weights)",
+            "ready: %s on %s (%s runtime) at %s (loaded in %.2f s, %.0f MiB of weights, %.0f MiB of KV cache)",
             state.model_ref,
             loaded.info.device,
+            loaded.info.runtime,
             url,
             loaded.info.load_seconds,
             loaded.info.weight_bytes / 2**20,
-            extra={"fields": {"worker_id": worker_id, "url": url, "weight_bytes": loaded.info.weight_bytes}},
+            fields["kv_cache_bytes"] / 2**20,
+            extra={"fields": fields},
         )
         if config.callback_url:
             memory = engine.memory_bytes()
@@ -186,6 +196,7 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
                 memory_bytes=memory,
                 backend=loaded.info.device.type,
                 device=str(loaded.info.device),
+                runtime=loaded.info.runtime,
                 cpu=cpu_features().describe(),
             )
             try:

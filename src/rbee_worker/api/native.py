@@ -94,6 +94,9 @@ def native_router(state: WorkerState) -> APIRouter:
             "model": state.model_ref,
             "vram_bytes": memory if info.device.type == "cuda" else 0,
             "memory_bytes": memory,
+            "weight_bytes": info.weight_bytes,
+            "kv_cache_bytes": engine.kv_cache_bytes(),
+            "runtime": info.runtime,
             "slots_total": engine.max_batch,
             "slots_busy": engine.running_requests,
             "kv_cache_usage_perc": round(engine.kv_cache_usage(), 6),  # a share, 0..1, as the /metrics gauge

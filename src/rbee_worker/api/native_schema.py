@@ -25,7 +25,10 @@ class Health(BaseModel):
     state: Literal["idle", "busy"] | None = None
     model: str | None = None
     vram_bytes: int | None = None
-    memory_bytes: int | None = None
+    memory_bytes: int | None = None  # weights + KV cache, measured (on a GPU: what torch has allocated)
+    weight_bytes: int | None = None  # the weights as held (llama.cpp: llama_model_size)
+    kv_cache_bytes: int | None = None  # the KV cache in memory (llama.cpp, GPU: all of it, allocated at start)
+    runtime: Literal["torch", "llama.cpp"] | None = None  # what runs the model (--runtime)
     slots_total: int | None = None  # --max-batch
     slots_busy: int | None = None  # jobs holding a slot (others in flight wait in the queue)
     kv_cache_usage_perc: float | None = None  # share of the KV cache's token positions in use, 0..1

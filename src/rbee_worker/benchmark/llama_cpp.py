@@ -10,15 +10,12 @@ batches of any size run. Elsewhere both load the same buffers.
 
 from typing import TYPE_CHECKING, Any
 
+from rbee_worker.models.llama_cpp_model import has_amx
+
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-
-def has_amx() -> bool:
-    """Whether llama.cpp uses AMX on this machine (then batches of several tokens need `plain_buffers`)."""
-    import llama_cpp
-
-    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+__all__ = ["has_amx", "open_llama"]
 
 
 def open_llama(path: str, *, plain_buffers: bool, **kwargs: Any) -> "Llama":

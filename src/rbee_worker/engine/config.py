@@ -12,9 +12,12 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: sized from the memory left after the weights
     cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
     compile_model: bool = False  # the forward through torch.compile
+    threads: int | None = None  # CPU threads of the forward; None: the physical cores (on torch: its own default)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0:
             raise ValueError("max_batch must be at least 1 and max_queue at least 0")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be at least 1")

@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from rbee_worker.engine.scheduler import EngineObserver, Scheduler, Sequence, Si
 from rbee_worker.engine.step import Steps
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason
 from rbee_worker.models.loaded import LoadedModel
+
+if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
+    from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class Engine:
         self._in_flight: set[str] = set()  # ids submitted and not yet ended: inbox, running and waiting requests
         self._in_flight_lock = threading.Lock()
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
-        self._runner: ModelRunner | None = None
+        self._runner: ModelRunner | LlamaCppRunner | None = None
         self._scheduler: Scheduler | None = None
         self._steps: Steps | None = None
         self._closed = threading.Event()
@@ -278,17 +282,28 @@ class Engine:
         return self._scheduler.kv_positions() / (cache.slots * cache.slot_len)
 
     def memory_bytes(self) -> int:
-        """Measured device memory in use: the weights plus the KV cache (on a CPU, the part of it touched so far)."""
+        """Measured device memory in use: the weights plus the KV cache (on a CPU under torch, the part of it touched
+        so far)."""
         info = self.loaded.info
         if info.device.type == "cuda":
             return int(torch.cuda.memory_allocated(info.device))
-        return info.weight_bytes + (self._runner.cache.resident_bytes if self._runner else 0)
+        return info.weight_bytes + self.kv_cache_bytes()
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache in memory: all of it on a GPU and on llama.cpp's runtime (allocated at start), on a CPU
+        under torch the part touched so far; 0 before the model is loaded."""
+        if self._runner is None:
+            return 0
+        cache = self._runner.cache
+        if self._runner.loaded.info.device.type == "cuda":
+            return cache.slots * cache.slot_len * cache.bytes_per_token
+        return cache.resident_bytes
 
     # -- the engine thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            self._runner = ModelRunner(self._load(), self.config)
+            self._runner = make_runner(self._load(), self.config)
             info = self._runner.loaded.info
             self._scheduler = Scheduler(
                 self.config, info.eos_token_ids, self._runner.cache.bytes_per_token, self._retired, self._observer
@@ -308,11 +323,10 @@ class Engine:
                     self._runner.assign(
                         sequence.slot, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
                     )
-                for group in plan.prefill:
-                    self._steps.prefill(group)
-                self._steps.decode(plan.decode)
+                self._steps.run(plan)
                 self._last_progress = time.monotonic()
             self._scheduler.cancel_all()
+            self._runner.close()
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -340,6 +354,15 @@ class Engine:
             self._in_flight.discard(sequence.request_id)
         _log_finished(sequence.request, terminal)
         sequence.send(terminal)
+
+
+def make_runner(loaded: LoadedModel, config: EngineConfig) -> "ModelRunner | LlamaCppRunner":
+    """The runner of the loaded model's runtime (models/loader.py chose it)."""
+    if loaded.info.runtime == "llama.cpp":
+        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
+
+        return LlamaCppRunner(loaded, config)
+    return ModelRunner(loaded, config)
 
 
 def _log_finished(request: Request, terminal: End | Error) -> None:

@@ -12,9 +12,7 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import psutil
 import torch
 
 from rbee_worker.devices import tensor_bytes
@@ -24,61 +22,32 @@ from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
-from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample, unpack
+from rbee_worker.engine.sampler import SamplerFeatures
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import TokenLogprob
-from rbee_worker.errors import ModelLoadError
+from rbee_worker.engine.slots import DecodeRow, PromptRow, Sampled, SlotSampling, kv_budget, slot_tokens
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.merged_linear import merge_projections
+
+__all__ = ["DecodeRow", "ModelRunner", "PromptRow", "Sampled", "cache_kwarg"]
 
 log = logging.getLogger(__name__)
 
 GRAPH_WARM_SPAN = 2048  # decode graphs captured before ready: every batch bucket up to this attention span
-MIN_SLOT_TOKENS = 64  # a KV slot shorter than this cannot hold a useful request
-GPU_KV_SHARE = 0.9  # of the device memory free after loading
-ACTIVATION_RESERVE_BYTES = 1 << 30  # left free on a GPU for activations and logits
-CPU_KV_SHARE = 0.5  # of the host memory available after loading
 # The sampler stages that decode graphs are captured with before ready: greedy rows, and sampled ones with top-k /
 # top-p (chat clients' settings). Other mixes (penalties, logprobs) are captured when they first come.
 WARM_FEATURES = [SamplerFeatures(), SamplerFeatures(filters=True)]
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """Prompt tokens fed at positions start.. of a slot; `sample`: the chunk ends the prompt, so a token follows."""
-
-    slot: int
-    token_ids: Sequence[int]
-    start: int
-    sample: bool
-
-
-@dataclass(frozen=True)
-class DecodeRow:
-    """One decode row: `token` fed at `position` of the slot; `chained`: take instead the token that the previous
-    launched step chose for this row, on the device."""
-
-    slot: int
-    token: int
-    position: int
-    chained: bool = False
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A row's outcome, on the host."""
-
-    token: int
-    valid: bool  # False: the logits gave no valid distribution (NaN, +inf, or every token masked)
-    logprob: TokenLogprob | None
 
 
 class ModelRunner:
     """Prepares a loaded model for serving (merged projections, oneDNN packing on a CPU, the engine's attention, the
     KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine thread."""
 
+    mixed_batches = False  # prompt chunks and decode rows run as separate forwards (rows of one are padded alike)
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         merge_projections(loaded.model)
         if not config.compile_model:  # inductor packs the weights of what it compiles itself
             loaded = _pack_for_cpu(loaded)
@@ -90,9 +59,8 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(loaded.model)
         self.cache = self._allocate_cache(loaded)
         self.vocab_size = loaded.model.get_output_embeddings().out_features  # the logits' width
-        self.state = SamplerState(config.max_batch, self.vocab_size, self.device)
-        self._logprobs: dict[int, int | None] = {}  # each slot's top-logprobs request
-        self._params: dict[int, SamplingParams] = {}
+        self.sampling = SlotSampling(config.max_batch, self.vocab_size, self.device)
+        self.state = self.sampling.state
         self._compile = config.compile_model
         # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
         self.graphs: DecodeGraphs | None = None
@@ -105,16 +73,10 @@ class ModelRunner:
         self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
         """A request takes the slot: its sampling parameters, seed and penalty counts go to the device."""
-        self.state.assign(slot, params, seed, prompt_ids)
-        self._params[slot], self._logprobs[slot] = params, logprobs
+        self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
 
     def features(self, slots: Sequence[int]) -> SamplerFeatures:
-        return SamplerFeatures.of((self._params[slot], self._logprobs[slot]) for slot in slots)
-
-    def _sampled(self, packed: list[float], slot: int) -> Sampled:
-        """A row of sampler.pack's layout, on the host, as the slot's request asked for it."""
-        token, valid, logprob, top = unpack(packed, self._logprobs[slot])
-        return Sampled(token, valid, None if logprob is None else TokenLogprob(token, logprob, top))
+        return self.sampling.features(slots)
 
     # -- forwards --------------------------------------------------------------------------------------------------
 
@@ -125,8 +87,8 @@ class ModelRunner:
         if not picked:
             return []
         slots = [rows[i].slot for i in picked]
-        packed = self._sample_now(logits[picked], slots, [True] * len(slots))
-        return [self._sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
+        packed = self.sampling.sample(logits[picked], slots, [True] * len(slots))
+        return [self.sampling.sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
 
     def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
         """One eager decode step over the cache rows from the lowest to the highest slot of `rows` (rows in between
@@ -139,8 +101,8 @@ class ModelRunner:
             tokens[row], positions[row], lengths[row] = r.token, r.position, r.position + 1
         logits = self._decode_step(tokens, positions, lengths, first)
         live = [length > 0 for length in lengths]
-        packed = self._sample_now(logits, list(range(first, first + count)), live)
-        return [self._sampled(packed[r.slot - first], r.slot) for r in rows]
+        packed = self.sampling.sample(logits, list(range(first, first + count)), live)
+        return [self.sampling.sampled(packed[r.slot - first], r.slot) for r in rows]
 
     def launch(self, rows: list[DecodeRow]) -> LaunchedStep:
         """A decode step as a CUDA graph over cache rows 0.. (the highest slot), not waited for (see DecodeGraphs)."""
@@ -155,15 +117,7 @@ class ModelRunner:
     def collect(self, step: LaunchedStep, rows: list[DecodeRow]) -> list[Sampled]:
         """Wait for a launched step; its rows' tokens in order."""
         packed = step.result()
-        return [self._sampled(packed[r.slot], r.slot) for r in rows]
-
-    def _sample_now(self, logits: torch.Tensor, slots: list[int], live: list[bool]) -> list[list[float]]:
-        """The sampler over these logits rows, at once; its packed result on the host."""
-        features = self.features([slot for slot, alive in zip(slots, live, strict=True) if alive])
-        index = torch.tensor(slots, device=self.device)
-        live_rows = torch.tensor(live, device=self.device)
-        out = sample(logits, self.state, index, live_rows, features, host_sync=self.device.type == "cpu")
-        return pack(out).tolist()
+        return [self.sampling.sampled(packed[r.slot], r.slot) for r in rows]
 
     def _prompt_forward(self, rows: list[PromptRow]) -> torch.Tensor:
         """Row b feeds rows[b].token_ids at positions rows[b].start.. of its slot; rows are left-padded to the
@@ -213,26 +167,17 @@ class ModelRunner:
         )
         return output.logits[:, -1]
 
+    def close(self) -> None:
+        """Nothing to free by hand: torch frees the model and the cache with their last reference."""
+
     # -- preparation -----------------------------------------------------------------------------------------------
 
     def _allocate_cache(self, loaded: LoadedModel) -> SlotCache:
-        """One KV slot of up to the model's context per running request, within the memory budget."""
+        """One KV slot of up to the model's context per running request, within the memory budget (on a CPU, touched
+        only as contexts grow: see SlotCache)."""
         info, config, slots = loaded.info, loaded.model.config, self.config.max_batch
-        per_token = kv_bytes_per_token(config, info.dtype)
         budget = self.config.kv_cache_bytes if self.config.kv_cache_bytes is not None else kv_budget(info.device)
-        slot_len = min(info.context_length, budget // (slots * per_token))
-        if slot_len < MIN_SLOT_TOKENS:
-            raise ModelLoadError(
-                f"the KV cache for --max-batch {slots} does not fit in {budget / 2**30:.1f} GiB "
-                f"({per_token} bytes per token): lower --max-batch or give the cache more memory"
-            )
-        log.info(
-            "KV cache: %d slots of %d tokens, %.2f GiB",
-            slots,
-            slot_len,
-            slots * slot_len * per_token / 2**30,
-            extra={"fields": {"slots": slots, "slot_tokens": slot_len}},
-        )
+        slot_len = slot_tokens(info.context_length, slots, kv_bytes_per_token(config, info.dtype), budget)
         return SlotCache(config, slots, slot_len, info.dtype, info.device)
 
     def _prepare_forward(self) -> None:
@@ -308,12 +253,3 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     """The name of forward's cache argument: transformers renamed `past_key_values` to `cache` in 5.2x, and the GPU
     machines still run 5.17."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def kv_budget(device: torch.device) -> int:
-    """Bytes the KV cache may take by default: on a GPU, what is free once the weights are in, less room for
-    activations; elsewhere half the memory available, touched only as contexts grow (see SlotCache)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_KV_SHARE) - ACTIVATION_RESERVE_BYTES
-    return int(psutil.virtual_memory().available * CPU_KV_SHARE)

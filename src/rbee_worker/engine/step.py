@@ -2,7 +2,8 @@
 
 Prompt chunks run a forward each group, and a chunk that completes its prompt samples the request's first token.
 Decode steps run one batched forward (one per sequence in deterministic mode) or, on a GPU, as CUDA graphs launched
-ahead of the host (see `Steps._decode_ahead`). A failure in a forward ends the requests in it with an error event,
+ahead of the host (see `Steps._decode_ahead`). A runner with `mixed_batches` (llama.cpp's) takes a round's prompt
+chunks and decode rows in one forward instead. A failure in a forward ends the requests in it with an error event,
 never the engine thread.
 """
 
@@ -10,13 +11,17 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rbee_worker.engine.cuda_graphs import LaunchedStep
 from rbee_worker.engine.runner import DecodeRow, ModelRunner, PromptRow, Sampled
-from rbee_worker.engine.scheduler import Chunk, Scheduler, Sequence
+from rbee_worker.engine.scheduler import Chunk, Plan, Scheduler, Sequence
 from rbee_worker.engine.types import ErrorCode
+
+if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
+    from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +38,36 @@ class _Launched:
 class Steps:
     """Runs the plans of one engine thread; holds the decode step launched and not yet collected."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, deterministic: bool) -> None:
+    def __init__(self, scheduler: Scheduler, runner: "ModelRunner | LlamaCppRunner", deterministic: bool) -> None:
         self.scheduler, self.runner, self.deterministic = scheduler, runner, deterministic
         self._pending: _Launched | None = None  # a graph decode step whose tokens the host has not taken yet
+
+    def run(self, plan: Plan) -> None:
+        """The round's prompt chunks and decode step: in one forward where the runner batches them together (not in
+        deterministic mode, where each chunk and each sequence has a forward of its own), else a forward per group of
+        chunks, then the decode step."""
+        if self.runner.mixed_batches and not self.deterministic:
+            self._mixed([chunk for group in plan.prefill for chunk in group], plan.decode)
+            return
+        for group in plan.prefill:
+            self.prefill(group)
+        self.decode(plan.decode)
+
+    def _mixed(self, chunks: list[Chunk], decoding: list[Sequence]) -> None:
+        """One forward over every prompt chunk and decode row of the round (the scheduler's budget keeps the chunks
+        within prefill_chunk tokens, so a long prompt holds the decoding sequences back by one chunk at most)."""
+        sequences = [c.sequence for c in chunks] + decoding
+        if not sequences:
+            return
+        with self._failing(sequences):
+            prompts = [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
+            decodes = [DecodeRow(s.slot, s.output_ids[-1], s.cached) for s in decoding]
+            sampled = self.runner.step(prompts, decodes)
+            for chunk in chunks:
+                self.scheduler.prefilled(chunk)
+            for sequence in decoding:
+                sequence.cached += 1
+            self._take([c.sequence for c in chunks if c.completes_prompt] + decoding, sampled)
 
     def prefill(self, chunks: list[Chunk]) -> None:
         """One forward over prompt chunks; a sequence whose prompt is complete gets its first token."""

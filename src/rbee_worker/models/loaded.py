@@ -19,13 +19,14 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     device: torch.device
     dtype: torch.dtype
-    weight_bytes: int  # measured from the loaded tensors, not the file size
+    weight_bytes: int  # measured from the loaded tensors (llama.cpp: its own figure), not the file size
     load_seconds: float = 0.0
+    runtime: str = "torch"  # what runs the forward: "torch" (model: a transformers model) or "llama.cpp"
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: PreTrainedModel
+    model: PreTrainedModel  # on llama.cpp's runtime, a models.llama_cpp_model.LlamaCppModel
     tokenizer: PreTrainedTokenizerFast
     info: ModelInfo
 

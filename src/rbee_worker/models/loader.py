@@ -12,11 +12,14 @@ import torch
 from rbee_worker.devices import Placement, check_placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.demo import demo_model_path
+from rbee_worker.models.llama_cpp_model import llama_cpp_installed, load_llama_cpp
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.models.quantize import quantized_supported
 
 GGUF_MAGIC = b"GGUF"
+RUNTIMES = ("auto", "torch", "llama.cpp")
+LLAMA_CPP_DEVICES = ("cpu", "mps")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # One load at a time per process: transformers' from_pretrained swaps process-wide state while it runs
 # (`PreTrainedModel.tie_weights` by a no-op, torch's default dtype) and puts back what it found, so two loads in
@@ -61,6 +64,35 @@ def is_gguf(path: Path) -> bool:
         raise ModelLoadError(f"cannot read model file {path}: {exc.strerror or exc}; check its permissions") from exc
 
 
+def check_runtime(runtime: str, device: torch.device) -> None:
+    """Refuse --runtime llama.cpp on a device llama.cpp's runtime does not serve here (before anything loads)."""
+    if runtime not in RUNTIMES:
+        raise ModelLoadError(f"unknown --runtime {runtime!r}; use {', '.join(RUNTIMES)}")
+    if runtime == "llama.cpp" and device.type not in LLAMA_CPP_DEVICES:
+        raise ModelLoadError(
+            f"--runtime llama.cpp runs GGUF files on cpu or mps, not on {device}: use --runtime torch (or auto) there"
+        )
+
+
+def resolve_runtime(runtime: str, path: Path, gguf: bool, device: torch.device) -> str:
+    """The runtime that runs the model: `auto` is llama.cpp for a GGUF file on cpu or mps where llama-cpp-python is
+    installed, torch otherwise; an explicit llama.cpp must have a GGUF file, a device it serves and the package."""
+    check_runtime(runtime, device)
+    if runtime == "auto":
+        usable = gguf and device.type in LLAMA_CPP_DEVICES and llama_cpp_installed()
+        return "llama.cpp" if usable else "torch"
+    if runtime == "llama.cpp" and not gguf:
+        raise ModelLoadError(
+            f"--runtime llama.cpp runs GGUF files, and {path.name} is not one: use --runtime torch (or auto) for it"
+        )
+    if runtime == "llama.cpp" and not llama_cpp_installed():
+        raise ModelLoadError(
+            "--runtime llama.cpp needs llama-cpp-python: `pip install llama-cpp-python` (it builds llama.cpp from "
+            "source, with a C/C++ compiler and cmake), or use --runtime torch"
+        )
+    return runtime
+
+
 def load_model(
     spec: str,
     placement: Placement,
@@ -68,6 +100,7 @@ def load_model(
     max_context: int | None = None,
     chat_template: str | None = None,
     quantize: str = "none",
+    runtime: str = "torch",
 ) -> LoadedModel:
     """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message.
 
@@ -75,7 +108,8 @@ def load_model(
     `chat_template` (Jinja text) replaces the model's own; `quantize` "int8" / "int4" quantizes a float model's
     decoder layers at load (models/quantize.py) and keeps a GGUF file's quantized matrices in its own types (either
     value: the file decides; models/gguf_model.py); "auto" (the CLI's default) keeps a GGUF file's types where the
-    quantized kernels run on this placement, and loads everything else as "none".
+    quantized kernels run on this placement, and loads everything else as "none". `runtime` (see resolve_runtime):
+    on llama.cpp a GGUF file keeps its own types, whatever `quantize` and the placement's dtype say.
     """
     import transformers
 
@@ -90,6 +124,10 @@ def load_model(
     progress = progress or LoadProgress()
     path = resolve_model_path(spec)
     gguf = path.is_file() and is_gguf(path)
+    if resolve_runtime(runtime, path, gguf, placement.device) == "llama.cpp":
+        with _LOADING:
+            loaded = load_llama_cpp(path, placement.device, progress)
+        return _finish(loaded, path, max_context, chat_template, started)
     if quantize == "auto":
         keep = gguf and quantized_supported(placement.device, placement.dtype)
         quantize = "int4" if keep else "none"  # for a GGUF file int4 and int8 alike mean "keep the file's types"
@@ -114,6 +152,13 @@ def load_model(
     except MemoryError as exc:
         raise ModelLoadError(f"not enough host memory to load {path.name}; use a smaller model") from exc
     check_placement(loaded.model, placement.device)
+    return _finish(loaded, path, max_context, chat_template, started)
+
+
+def _finish(
+    loaded: LoadedModel, path: Path, max_context: int | None, chat_template: str | None, started: float
+) -> LoadedModel:
+    """Either runtime's last step: --max-context and --chat-template applied, the load time recorded."""
     context = loaded.info.context_length
     if max_context is not None and max_context > context:
         raise ModelLoadError(

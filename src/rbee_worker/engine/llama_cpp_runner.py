@@ -1,0 +1,166 @@
+"""The model runner on llama.cpp's runtime (llama-cpp-python's low-level API), for GGUF files on a CPU or a Mac.
+
+llama.cpp holds the weights, the KV cache and the forward; the engine keeps everything else (scheduler, sampler,
+detokenizer, events). One `llama_context` serves every slot: its KV cache has one sequence per slot (`n_seq_max` =
+--max-batch, a stream of `slot_len` cells each, not unified, so a sequence's attention reads only its own cells), and
+sequence id = slot. A step is one `llama_batch` with every row of the round, prompt chunks (their tokens, logits on
+the last one only when the chunk ends the prompt) and decode rows (one token each), and one `llama_decode`. The rows'
+logits are read where llama.cpp wrote them, as one [rows, vocab] tensor without a copy, and sampled by the worker's
+own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly as on the torch runtime.
+
+No CUDA graphs and no launched-ahead steps: `graphs` is None, so Steps runs every step eagerly.
+"""
+
+import ctypes
+import logging
+from collections.abc import Sequence
+
+import llama_cpp.llama_cpp as native
+import psutil
+import torch
+
+from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.sampler import SamplerFeatures
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.slots import DecodeRow, PromptRow, Sampled, SlotSampling, kv_budget, slot_tokens
+from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.llama_cpp_model import LlamaCppModel
+from rbee_worker.models.loaded import LoadedModel
+
+log = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
+# llama_decode's return codes other than 0 (llama.h).
+DECODE_ERRORS = {
+    1: "no room in the KV cache for the batch",
+    2: "aborted",
+    -1: "invalid input batch (a token id outside the vocabulary, or a position out of order)",
+}
+
+
+class LlamaCppCache:
+    """The KV cache's geometry as the engine reads it (the same attributes as kv_cache.SlotCache): llama.cpp allocates
+    and clears all of it when the context is created, so all of it is resident from the start."""
+
+    def __init__(self, slots: int, slot_len: int, bytes_per_token: int) -> None:
+        self.slots, self.slot_len, self.bytes_per_token = slots, slot_len, bytes_per_token
+        self.resident_bytes = slots * slot_len * bytes_per_token
+
+
+class LlamaCppRunner:
+    """Runs a LoadedModel of the llama.cpp runtime: the context, the batch, and each slot's sampling state. Lives on
+    the engine thread; `close` frees what llama.cpp holds."""
+
+    graphs = None  # no CUDA graphs: Steps never launches a step ahead
+    mixed_batches = True  # a round's prompt chunks and decode rows run as one batch (Steps.run)
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        model: LlamaCppModel = loaded.model  # type: ignore[assignment]
+        self.config, self.loaded, self.model = config, loaded, model
+        slots = config.max_batch
+        if slots > native.llama_max_parallel_sequences():
+            raise ModelLoadError(
+                f"llama.cpp runs at most {native.llama_max_parallel_sequences()} sequences at once: lower --max-batch"
+            )
+        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else kv_budget(CPU)
+        slot_len = slot_tokens(loaded.info.context_length, slots, model.kv_bytes_per_token, budget)
+        self.cache = LlamaCppCache(slots, slot_len, model.kv_bytes_per_token)
+        self.threads = config.threads or psutil.cpu_count(logical=False) or 1
+        self.capacity = config.prefill_chunk + slots  # the most tokens one step feeds: a round's chunks and decodes
+        params = native.llama_context_default_params()
+        params.n_ctx = slots * slot_len
+        params.n_seq_max = slots
+        params.kv_unified = False
+        params.n_batch = params.n_ubatch = self.capacity
+        params.n_threads = params.n_threads_batch = self.threads
+        params.no_perf = True
+        self._context = native.llama_init_from_model(model.handle, params)
+        if not self._context or native.llama_n_ctx_seq(self._context) < slot_len:
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {slots} x {slot_len} tokens: lower --max-batch or "
+                "--max-context, or see the llama.cpp messages with --log-level debug"
+            )
+        self._memory = native.llama_get_memory(self._context)
+        self._batch = native.llama_batch_init(self.capacity, 0, 1)
+        self.sampling = SlotSampling(slots, model.vocab_size, CPU)
+        log.info(
+            "llama.cpp runtime: %d threads, %d slots of %d tokens",
+            self.threads,
+            slots,
+            slot_len,
+            extra={"fields": {"threads": self.threads, "system": native.llama_print_system_info().decode().strip()}},
+        )
+
+    # -- sampling state ------------------------------------------------------------------------------------------
+
+    def assign(
+        self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
+    ) -> None:
+        """A request takes the slot: what an earlier holder left in the slot's sequence goes, its sampling state
+        comes."""
+        native.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
+
+    def features(self, slots: Sequence[int]) -> SamplerFeatures:
+        return self.sampling.features(slots)
+
+    # -- forwards ----------------------------------------------------------------------------------------------------
+
+    def prefill(self, rows: list[PromptRow]) -> list[Sampled]:
+        """One llama_decode over prompt chunks; the chosen tokens of the rows that sample, in order."""
+        return self.step(rows, [])
+
+    def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
+        """One llama_decode of a token for each row; the rows' tokens in order."""
+        return self.step([], rows)
+
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+        """One llama_decode over prompt chunks and decode rows together; the chosen tokens of the prompt rows that
+        sample, then of the decode rows, in order."""
+        batch, n, slots = self._batch, 0, []
+        if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
+            raise ValueError(f"a step of more than {self.capacity} tokens")
+        for row in prompts:
+            last = len(row.token_ids) - 1
+            for i, token in enumerate(row.token_ids):
+                self._put(n, token, row.start + i, row.slot, row.sample and i == last)
+                n += 1
+            if row.sample:
+                slots.append(row.slot)
+        for row in decodes:
+            self._put(n, row.token, row.position, row.slot, True)
+            n += 1
+            slots.append(row.slot)
+        batch.n_tokens = n
+        if n == 0:
+            return []
+        if (code := native.llama_decode(self._context, batch)) != 0:
+            raise RuntimeError(f"llama_decode failed with {code}: {DECODE_ERRORS.get(code, 'a fatal error')}")
+        if not slots:
+            return []
+        packed = self.sampling.sample(self._logits(len(slots)), slots, [True] * len(slots))
+        return [self.sampling.sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
+
+    def _put(self, index: int, token: int, position: int, slot: int, logits: bool) -> None:
+        batch = self._batch
+        batch.token[index] = token
+        batch.pos[index] = position
+        batch.n_seq_id[index] = 1
+        batch.seq_id[index][0] = slot
+        batch.logits[index] = logits
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        """The last llama_decode's output rows, in batch order, as a [rows, vocab] float32 view of llama.cpp's buffer
+        (valid until the next llama_decode)."""
+        vocab = self.model.vocab_size
+        address = ctypes.cast(native.llama_get_logits(self._context), ctypes.c_void_p).value
+        buffer = (ctypes.c_float * (rows * vocab)).from_address(address)
+        return torch.frombuffer(buffer, dtype=torch.float32).view(rows, vocab)
+
+    def close(self) -> None:
+        """Free the batch, the context and the model (the engine thread is done with them)."""
+        if self._context:
+            native.llama_batch_free(self._batch)
+            native.llama_free(self._context)
+            self._context = None
+        self.model.close()

@@ -1,0 +1,131 @@
+"""The engine on llama.cpp's runtime (engine/llama_cpp_runner.py), against llama-cpp-python itself on the demo file:
+the same greedy tokens, the same token ids for the same text, llama.cpp's own memory figures, and every running
+request decoding in one llama_decode with the prompts that arrive meanwhile."""
+
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import greedy, submit_together
+
+from rbee_worker.benchmark.accuracy import GREEDY_TOKENS, PROMPTS
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import Request
+from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.models.loader import load_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+native = pytest.importorskip("llama_cpp.llama_cpp")
+
+GREEDY = SamplingParams(temperature=0.0)
+CHAT = [{"role": "user", "content": "Name three bees, then say <|im_end|> and 42 € ünïcode."}]
+
+
+@pytest.fixture(scope="module")
+def engine(demo_gguf: Path):
+    engine = Engine(
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime="llama.cpp"),
+        EngineConfig(max_batch=4, threads=2),
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def llm(demo_gguf: Path):
+    # Flash attention on, as llama.cpp's own default (`auto`) and so the worker's context have it on a CPU;
+    # llama-cpp-python's Llama() turns it off unless asked (its logits then differ in the last bits).
+    model = llama_cpp.Llama(model_path=str(demo_gguf), n_ctx=1024, n_threads=2, verbose=False, flash_attn=True)
+    yield model
+    model.close()
+
+
+def test_greedy_tokens_equal_llama_cpp_pythons_own_greedy_generation(engine: Engine, llm) -> None:
+    """3 prompts x 64 tokens: the worker's greedy tokens (its sampler's argmax over llama.cpp's logits) are the
+    tokens of llama-cpp-python's own generate at temperature 0, fed the same ids."""
+    eos = engine.loaded.info.eos_token_ids
+    for prompt in PROMPTS:
+        ids = list(engine.tokenize(prompt))
+        ours, _ = greedy(engine, ids, GREEDY_TOKENS)
+        theirs: list[int] = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            if token in eos or len(theirs) == GREEDY_TOKENS:
+                break
+            theirs.append(token)
+        assert ours == theirs, prompt
+
+
+def test_token_ids_fed_equal_llama_cpps_own_tokenizer(engine: Engine, llm) -> None:
+    """The worker tokenizes (llama.cpp only gets ids): its ids equal llama_tokenize's for plain prompts, and for a
+    chat rendered by the template, special tokens included."""
+    texts = [*PROMPTS, "  leading spaces, digits 12345 and\nnewlines\t\ttabs", "日本語とemoji 🐝🍯"]
+    for text in texts:
+        assert list(engine.tokenize(text)) == llm.tokenize(text.encode(), add_bos=True, special=False), text
+    chat = engine.chat_prompt(CHAT)
+    assert list(engine.tokenize_chat(CHAT)) == llm.tokenize(chat.encode(), add_bos=False, special=True)
+
+
+def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> None:
+    """Weights: llama_model_size. KV cache: all slots allocated at start, at the bytes per token that
+    llama_state_seq_get_size reports for a finished request's sequence (less its per-cell bookkeeping)."""
+    runner = engine._runner
+    assert engine.loaded.info.weight_bytes == native.llama_model_size(runner.model.handle)
+    assert 80_000_000 < engine.loaded.info.weight_bytes < 120_000_000  # the Q4_1 file's matrices as they are
+    cache = runner.cache
+    assert engine.kv_cache_bytes() == cache.slots * cache.slot_len * cache.bytes_per_token
+    assert engine.memory_bytes() == engine.loaded.info.weight_bytes + engine.kv_cache_bytes()
+    meta = read_gguf(demo_gguf).metadata
+    head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
+    assert cache.bytes_per_token == meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 4
+    _, end = greedy(engine, engine.tokenize(PROMPTS[0]), 20)  # in slot 0, kept there until the slot is taken again
+    cells = end.prompt_tokens + end.tokens_out - 1
+    assert end.kv_cache_bytes == cells * cache.bytes_per_token
+    state = native.llama_state_seq_get_size(runner._context, 0)
+    assert end.kv_cache_bytes < state < end.kv_cache_bytes + 8 * cells + 4096
+
+
+def test_one_llama_decode_per_step_with_prompts_joining_running_decodes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that arrive while others decode have their prompts fed in the same llama_decode as the running
+    requests' next tokens (no step of prompts alone in between), one llama_decode per step; each still gets its
+    solo tokens."""
+    prompts = [engine.tokenize(p) for p in PROMPTS]
+    solo = [greedy(engine, ids, 16)[0] for ids in prompts]
+    steps: list[tuple[int, int]] = []  # (prompt rows, decode rows) of each step
+    decodes = 0
+    step, decode = engine._runner.step, native.llama_decode
+
+    def count_step(prompt_rows: list, decode_rows: list) -> list:
+        steps.append((len(prompt_rows), len(decode_rows)))
+        return step(prompt_rows, decode_rows)
+
+    def count_decode(*args: object) -> int:
+        nonlocal decodes
+        decodes += 1
+        return decode(*args)
+
+    monkeypatch.setattr(engine._runner, "step", count_step)
+    monkeypatch.setattr(native, "llama_decode", count_decode)
+    running: queue.SimpleQueue = queue.SimpleQueue()
+    engine.submit(Request(prompts[0], max_tokens=200, sampling=GREEDY, request_id="running"), running.put)
+    while not steps or steps[-1][1] == 0:  # until it decodes
+        threading.Event().wait(0.01)
+    joined = submit_together(engine, [Request(ids, max_tokens=16, sampling=GREEDY) for ids in prompts])
+    engine.cancel("running")
+    assert joined == solo
+    assert any(p >= 1 and d >= 1 for p, d in steps), steps
+    assert decodes == len(steps)
+
+
+def test_invalid_token_ids_fail_the_request_not_the_engine(engine: Engine) -> None:
+    """A token id outside the vocabulary (llama_decode refuses the batch) ends that request with an error event;
+    the engine serves the next one."""
+    events = list(engine.stream(Request((1, 10**7), max_tokens=4, sampling=GREEDY)))
+    assert events[-1].code.value == "INFERENCE_FAILED" and "llama_decode" in events[-1].message
+    tokens, end = greedy(engine, engine.tokenize(PROMPTS[0]), 4)
+    assert len(tokens) == end.tokens_out == 4
