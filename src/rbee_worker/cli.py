@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING
+from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING, WORKER_PEERS
 from rbee_worker.errors import BindError, GenerationError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
 
@@ -258,7 +258,10 @@ def build_parser() -> Parser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
     bench.add_argument(
-        "--peers", type=comma_list(str), default=["transformers"], help=f"comma-separated, from {', '.join(PEERS)}"
+        "--peers",
+        type=comma_list(str),
+        default=["transformers"],
+        help=f"comma-separated, from {', '.join([*PEERS, *WORKER_PEERS])}",
     )
     bench.add_argument("--worker-flag", action="append", default=[], help="extra flag for `serve` (repeatable)")
     bench.add_argument("--out", default="bench/results")

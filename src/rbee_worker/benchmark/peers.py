@@ -22,6 +22,9 @@ import time
 from typing import Any
 
 PEERS = ("transformers", "transformers-static", "transformers-cb", "llama.cpp")
+# Peers that are rbee-worker itself with other flags, served and measured as the worker is (benchmark/run.py): the
+# torch runtime where the worker's default picks llama.cpp (a GGUF file on a CPU).
+WORKER_PEERS = {"rbee-torch": ["--runtime=torch"]}
 CONCURRENCY = [1, 4, 16, 64]  # the bench's default stream counts
 # `--sampling`: greedy, or a chat client's usual settings. Every system gets only these filters (llama.cpp's own
 # default top_k 40 and min_p 0.05 are turned off), so all draw from the same distribution.

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from rbee_worker.benchmark.peers import CONCURRENCY, SAMPLING
+from rbee_worker.benchmark.peers import CONCURRENCY, SAMPLING, WORKER_PEERS
 
 TEXT = (
     "The history of the river town begins with the old stone bridge, built by farmers who needed a way to bring "
@@ -248,6 +248,21 @@ def read_bandwidth(device: str) -> float:
     return 2**32 / statistics.median(times[1:])
 
 
+def serve_and_measure(args: argparse.Namespace, spec: dict, flags: list[str]) -> dict:
+    """A `serve` process with --worker-flag's flags and `flags`, measured through its HTTP API, then stopped."""
+    with tempfile.TemporaryDirectory() as scratch:
+        log_path = Path(scratch) / "worker.log"
+        process, url, startup_s = start_worker(
+            argparse.Namespace(**{**vars(args), "worker_flag": [*args.worker_flag, *flags]}), log_path
+        )
+        try:
+            figures = asyncio.run(measure_worker(url, spec)) | {"startup_s": startup_s}
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+        return figures | {"weight_bytes": logged_weight_bytes(log_path)}
+
+
 def main(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     result: dict = {
@@ -256,16 +271,11 @@ def main(args: argparse.Namespace) -> int:
     }  # fmt: skip
     if args.device.startswith("cuda"):
         result["read_bandwidth_gb_s"] = read_bandwidth(args.device) / 1e9
-    with tempfile.TemporaryDirectory() as scratch:
-        log_path = Path(scratch) / "worker.log"
-        process, url, startup_s = start_worker(args, log_path)
-        try:
-            result["rbee-worker"] = asyncio.run(measure_worker(url, spec)) | {"startup_s": startup_s}
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-        result["rbee-worker"]["weight_bytes"] = logged_weight_bytes(log_path)
-    result["peers"] = {peer: run_peer(peer, args, spec) for peer in args.peers}
+    result["rbee-worker"] = serve_and_measure(args, spec, [])
+    result["peers"] = {
+        peer: serve_and_measure(args, spec, WORKER_PEERS[peer]) if peer in WORKER_PEERS else run_peer(peer, args, spec)
+        for peer in args.peers
+    }
     worker, peers = result["rbee-worker"], result["peers"]
     if "bare_forward_s" in peers.get("transformers", {}):
         result["ttft_over_bare_forward"] = worker["ttft_s"] / peers["transformers"]["bare_forward_s"]

@@ -33,8 +33,8 @@ __all__ = ["DecodeRow", "ModelRunner", "PromptRow", "Sampled", "cache_kwarg"]
 log = logging.getLogger(__name__)
 
 GRAPH_WARM_SPAN = 2048  # decode graphs captured before ready: every batch bucket up to this attention span
-# The sampler stages that decode graphs are captured with before ready: greedy rows, and sampled ones with top-k /
-# top-p (chat clients' settings). Other mixes (penalties, logprobs) are captured when they first come.
+# The sampler stages that decode graphs are captured with before ready: greedy rows, and sampled ones (their graph
+# runs every sampled stage: cuda_graphs.graph_features). Steps with logprobs are captured when they first come.
 WARM_FEATURES = [SamplerFeatures(), SamplerFeatures(filters=True)]
 
 
