@@ -60,9 +60,7 @@ class Steps:
         if not sequences:
             return
         with self._failing(sequences):
-            prompts = [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
-            decodes = [DecodeRow(s.slot, s.output_ids[-1], s.cached) for s in decoding]
-            sampled = self.runner.step(prompts, decodes)
+            sampled = self.runner.step(_prompt_rows(chunks), _decode_rows(decoding))
             for chunk in chunks:
                 self.scheduler.prefilled(chunk)
             for sequence in decoding:
@@ -73,8 +71,7 @@ class Steps:
         """One forward over prompt chunks; a sequence whose prompt is complete gets its first token."""
         sequences = [c.sequence for c in chunks]
         with self._failing(sequences):
-            rows = [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
-            sampled = self.runner.prefill(rows)
+            sampled = self.runner.prefill(_prompt_rows(chunks))
             for chunk in chunks:
                 self.scheduler.prefilled(chunk)
             self._take([c.sequence for c in chunks if c.completes_prompt], sampled)
@@ -92,7 +89,7 @@ class Steps:
 
     def _decode_eager(self, sequences: list[Sequence]) -> None:
         with self._failing(sequences):
-            sampled = self.runner.decode([DecodeRow(s.slot, s.output_ids[-1], s.cached) for s in sequences])
+            sampled = self.runner.decode(_decode_rows(sequences))
             for sequence in sequences:
                 sequence.cached += 1
             self._take(sequences, sampled)
@@ -173,3 +170,12 @@ class Steps:
 
 def _slots(sequences: list[Sequence]) -> list[int]:
     return [s.slot for s in sequences]
+
+
+def _prompt_rows(chunks: list[Chunk]) -> list[PromptRow]:
+    return [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
+
+
+def _decode_rows(sequences: list[Sequence]) -> list[DecodeRow]:
+    """Each sequence's last token fed at its next position (rows of an eager step: nothing chained)."""
+    return [DecodeRow(s.slot, s.output_ids[-1], s.cached) for s in sequences]
