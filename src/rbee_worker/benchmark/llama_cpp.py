@@ -1,4 +1,4 @@
-"""llama-cpp-python (an optional extra), opened the same way for the benchmark's peer and the accuracy checks.
+"""llama-cpp-python, opened the same way for the benchmark's peer and the accuracy checks.
 
 On CPUs with AMX (Intel Xeon since Sapphire Rapids), llama.cpp repacks the quantized matrices into its AMX buffers at
 load. There, with llama-cpp-python 0.3.36, every batch of more than one token crashes the process (SIGSEGV in
@@ -6,8 +6,12 @@ llama_decode; llama.cpp issue 20824 reports the same crash in `ggml_backend_amx_
 twice as fast as from ggml's plain CPU buffers (the demo model on 2 cores of such a machine: about 190 against 94
 tok/s). `plain_buffers=True` is llama.cpp's `--no-repack`: every matrix stays in ggml's plain CPU buffers, where
 batches of any size run. Elsewhere both load the same buffers.
+
+`batched_decode` is llama.cpp's batched decode of several sequences, the figure the worker's llama.cpp runtime is
+held against at each concurrency.
 """
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from rbee_worker.models.llama_cpp_model import has_amx
@@ -15,7 +19,7 @@ from rbee_worker.models.llama_cpp_model import has_amx
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-__all__ = ["has_amx", "open_llama"]
+__all__ = ["batched_decode", "has_amx", "open_llama"]
 
 
 def open_llama(path: str, *, plain_buffers: bool, **kwargs: Any) -> "Llama":
@@ -38,3 +42,56 @@ def open_llama(path: str, *, plain_buffers: bool, **kwargs: Any) -> "Llama":
         return Llama(model_path=path, **kwargs)
     finally:
         native.llama_model_default_params = defaults
+
+
+def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tokens: int) -> float:
+    """llama.cpp's own batched decode, with no serving around it: aggregate tok/s of `tokens` greedy steps over
+    len(prompts) sequences. One context with a KV sequence per prompt (not unified, as the worker's llama.cpp runtime
+    sets it up), all prompts in one batch, then one `llama_decode` per step of one token per sequence, each the argmax
+    of its logits on the host."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as native
+    import numpy as np
+
+    params = native.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = not has_amx()  # AMX buffers crash on batches of several tokens (see above)
+    model = native.llama_model_load_from_file(path.encode(), params)
+    vocab = native.llama_vocab_n_tokens(native.llama_model_get_vocab(model))
+    streams, longest = len(prompts), max(len(p) for p in prompts)
+    context_params = native.llama_context_default_params()
+    context_params.n_seq_max = streams
+    context_params.n_ctx = streams * (longest + tokens + 256)
+    context_params.kv_unified = False
+    context_params.n_batch = context_params.n_ubatch = max(sum(len(p) for p in prompts), streams)
+    if threads:
+        context_params.n_threads = context_params.n_threads_batch = threads
+    context = native.llama_init_from_model(model, context_params)
+    batch = native.llama_batch_init(context_params.n_batch, 0, 1)
+
+    def step(rows: list[tuple[int, list[int], int]]) -> list[int]:
+        """Feed each (sequence, tokens, first position); the argmax of each sequence's last logits."""
+        n = 0
+        for seq, ids, start in rows:
+            for i, token in enumerate(ids):
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, start + i, 1
+                batch.seq_id[n][0], batch.logits[n] = seq, i == len(ids) - 1
+                n += 1
+        batch.n_tokens = n
+        if (code := native.llama_decode(context, batch)) != 0:
+            raise RuntimeError(f"llama_decode returned {code}")
+        address = ctypes.cast(native.llama_get_logits(context), ctypes.c_void_p).value
+        logits = np.ctypeslib.as_array((ctypes.c_float * (len(rows) * vocab)).from_address(address))
+        return logits.reshape(len(rows), vocab).argmax(1).tolist()
+
+    try:
+        last = step([(s, p, 0) for s, p in enumerate(prompts)])
+        started = time.perf_counter()
+        for t in range(tokens):
+            last = step([(s, [last[s]], len(p) + t) for s, p in enumerate(prompts)])
+        return streams * tokens / (time.perf_counter() - started)
+    finally:
+        native.llama_batch_free(batch)
+        native.llama_free(context)
+        native.llama_model_free(model)

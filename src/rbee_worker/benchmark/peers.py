@@ -126,7 +126,7 @@ def run_transformers_cb(args: argparse.Namespace, spec: dict) -> dict:
 
 
 def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
-    from rbee_worker.benchmark.llama_cpp import has_amx, open_llama
+    from rbee_worker.benchmark.llama_cpp import batched_decode, has_amx, open_llama
 
     threads = spec.get("threads") or None
     options = {"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
@@ -165,6 +165,15 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
         plain = [generate(llm, spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]
         result["plain_decode_tok_s"] = statistics.median(plain)
         result["runs"]["plain_decode_tok_s"] = plain
+    llm.close()
+    # Several streams: llama.cpp's own batched decode (a bare llama_decode loop, one sequence per stream), the most
+    # a server on llama.cpp's runtime can reach.
+    result["aggregate_tok_s"] = {}
+    for concurrency in spec["concurrency"]:
+        prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
+        runs = [batched_decode(args.model, threads, prompts, spec["gen_tokens"]) for _ in range(spec["repeats"])]
+        result["aggregate_tok_s"][str(concurrency)] = statistics.median(runs)
+        result["runs"][f"aggregate_tok_s@{concurrency}"] = runs
     return result
 
 

@@ -9,7 +9,10 @@ with --sampling's temperature and top_p, prompt given as token ids, `ignore_eos`
 - aggregate tokens/s at each --concurrency: all generated tokens / (last end - first start).
 
 Each is the median of --repeats runs. Peers (peers.py) run one per fresh process on the same weights, dtype and
-prompt ids. Results go to bench/results/bench_<machine>.json and .md, with the machine and card named.
+prompt ids. With --rounds N the worker and every peer are measured in turn N times (worker, peers, worker, ...), so
+a machine whose speed drifts (a shared VM) weighs on all of them alike: each figure is then the median over the
+rounds, and each ratio the median of the rounds' own ratios. Results go to bench/results/bench_<machine>.json and
+.md, with the machine and card named.
 """
 
 import argparse
@@ -263,37 +266,76 @@ def serve_and_measure(args: argparse.Namespace, spec: dict, flags: list[str]) ->
         return figures | {"weight_bytes": logged_weight_bytes(log_path)}
 
 
+def measure_round(args: argparse.Namespace, spec: dict) -> dict:
+    """The worker, then each peer, once: {"rbee-worker": figures, "peers": {peer: figures}}."""
+    return {
+        "rbee-worker": serve_and_measure(args, spec, []),
+        "peers": {
+            peer: serve_and_measure(args, spec, WORKER_PEERS[peer])
+            if peer in WORKER_PEERS
+            else run_peer(peer, args, spec)
+            for peer in args.peers
+        },
+    }
+
+
+def ratios(worker: dict, peers: dict) -> dict[str, float]:
+    """The worker's figures over the peers': decode tok/s, and aggregate tok/s at each concurrency both measured."""
+    out = {}
+    for peer, figures in peers.items():
+        if "decode_tok_s" in figures:
+            out[f"decode_ratio_vs_{peer}"] = worker["decode_tok_s"] / figures["decode_tok_s"]
+        if "plain_decode_tok_s" in figures:
+            out[f"decode_ratio_vs_{peer}_plain_buffers"] = worker["decode_tok_s"] / figures["plain_decode_tok_s"]
+        for concurrency, tok_s in figures.get("aggregate_tok_s", {}).items():
+            if concurrency in worker.get("aggregate_tok_s", {}):
+                out[f"aggregate_ratio_vs_{peer}@{concurrency}"] = worker["aggregate_tok_s"][concurrency] / tok_s
+    return out
+
+
+def combine(rounds: list[Any]) -> Any:
+    """One system's figures over the rounds: numbers by their median, lists of runs joined, dicts key by key, anything
+    else (flags, names) from the first round; a round that failed makes the whole an error."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        if failed := next((r for r in rounds if "error" in r), None):
+            return failed
+        return {key: combine([r[key] for r in rounds if key in r]) for key in first}
+    if isinstance(first, list):
+        return [item for r in rounds for item in r]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(rounds)
+    return first
+
+
 def main(args: argparse.Namespace) -> int:
     spec = build_spec(args)
     result: dict = {
         "machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype,
-        "worker_flags": args.worker_flag, "sampling": args.sampling,
+        "worker_flags": args.worker_flag, "sampling": args.sampling, "rounds": args.rounds,
     }  # fmt: skip
     if args.device.startswith("cuda"):
         result["read_bandwidth_gb_s"] = read_bandwidth(args.device) / 1e9
-    result["rbee-worker"] = serve_and_measure(args, spec, [])
-    result["peers"] = {
-        peer: serve_and_measure(args, spec, WORKER_PEERS[peer]) if peer in WORKER_PEERS else run_peer(peer, args, spec)
-        for peer in args.peers
-    }
-    worker, peers = result["rbee-worker"], result["peers"]
+    rounds = [measure_round(args, spec) for _ in range(args.rounds)]
+    result["rbee-worker"] = worker = combine([r["rbee-worker"] for r in rounds])
+    result["peers"] = peers = {peer: combine([r["peers"][peer] for r in rounds]) for peer in args.peers}
     if "bare_forward_s" in peers.get("transformers", {}):
         result["ttft_over_bare_forward"] = worker["ttft_s"] / peers["transformers"]["bare_forward_s"]
     if "read_bandwidth_gb_s" in result and worker.get("weight_bytes"):
         ceiling = result["read_bandwidth_gb_s"] * 1e9 / worker["weight_bytes"]
         result["batch1_ceiling_tok_s"] = ceiling
         result["decode_ratio_vs_ceiling"] = worker["decode_tok_s"] / ceiling
-    for peer, figures in peers.items():
-        if "decode_tok_s" in figures:
-            result[f"decode_ratio_vs_{peer}"] = worker["decode_tok_s"] / figures["decode_tok_s"]
-        if "plain_decode_tok_s" in figures:
-            result[f"decode_ratio_vs_{peer}_plain_buffers"] = worker["decode_tok_s"] / figures["plain_decode_tok_s"]
+    round_ratios = [ratios(r["rbee-worker"], r["peers"]) for r in rounds if "error" not in r["rbee-worker"]]
+    result |= combine(round_ratios) if round_ratios else {}
+    if args.rounds > 1:
+        result["round_ratios"] = round_ratios
+        result["round_figures"] = rounds
     result["spec"] = {k: v for k, v in spec.items() if not k.endswith(("prompt", "ids"))}
     result["spec"]["prompt_tokens"] = len(spec["long_prompt"])
     table = markdown(result)
     print(table)
     for key, value in result.items():
-        if "ratio" in key or key.endswith("bare_forward"):
+        if ("ratio" in key or key.endswith("bare_forward")) and isinstance(value, float):
             print(f"{key}: {value:.2f}")
     print(f"rbee-worker start-up (to healthy): {worker['startup_s']:.1f} s")
     # "Intel(R) Xeon(R) Processor" -> "Intel_Xeon_Processor": a file name without shell-special characters
@@ -304,7 +346,9 @@ def main(args: argparse.Namespace) -> int:
     flags = "".join(f"_{flag.lstrip('-').replace('=', '_')}" for flag in args.worker_flag)
     streams = "" if args.concurrency == CONCURRENCY else "_c" + "-".join(map(str, args.concurrency))
     sampling = "" if args.sampling == "greedy" else f"_{args.sampling}"
-    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{flags}{streams}{sampling}_{name}"
+    rounds = f"_r{args.rounds}" if args.rounds > 1 else ""
+    run = f"{flags}{streams}{sampling}{rounds}"
+    stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{run}_{name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
     return 0

@@ -1,0 +1,34 @@
+"""`rbee-worker bench --rounds`: how the rounds' figures and ratios are combined."""
+
+from rbee_worker.benchmark.run import combine, ratios
+
+
+def test_rounds_combine_by_median_and_join_runs() -> None:
+    rounds = [
+        {"decode_tok_s": 100.0, "aggregate_tok_s": {"16": 200.0}, "runs": {"ttft_s": [1.0]}, "amx": False},
+        {"decode_tok_s": 80.0, "aggregate_tok_s": {"16": 260.0}, "runs": {"ttft_s": [2.0]}, "amx": False},
+        {"decode_tok_s": 120.0, "aggregate_tok_s": {"16": 210.0}, "runs": {"ttft_s": [3.0]}, "amx": False},
+    ]
+    assert combine(rounds) == {
+        "decode_tok_s": 100.0,
+        "aggregate_tok_s": {"16": 210.0},
+        "runs": {"ttft_s": [1.0, 2.0, 3.0]},
+        "amx": False,
+    }
+    assert combine([rounds[0], {"error": "out of memory"}]) == {"error": "out of memory"}
+
+
+def test_ratios_pair_each_peer_figure_with_the_workers() -> None:
+    worker = {"decode_tok_s": 110.0, "aggregate_tok_s": {"1": 100.0, "16": 200.0}}
+    peers = {
+        "llama.cpp": {"decode_tok_s": 100.0, "aggregate_tok_s": {"16": 250.0}},
+        "rbee-torch": {"decode_tok_s": 55.0, "aggregate_tok_s": {"1": 50.0, "16": 100.0}},
+        "transformers": {"error": "failed"},
+    }
+    assert ratios(worker, peers) == {
+        "decode_ratio_vs_llama.cpp": 1.1,
+        "aggregate_ratio_vs_llama.cpp@16": 0.8,
+        "decode_ratio_vs_rbee-torch": 2.0,
+        "aggregate_ratio_vs_rbee-torch@1": 2.0,
+        "aggregate_ratio_vs_rbee-torch@16": 2.0,
+    }
