@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from rbee_worker.engine import sampler
 from rbee_worker.engine.sampler import (
     MAX_TOP_LOGPROBS,
     PACKED_WIDTH,
@@ -737,3 +738,35 @@ def test_candidate_sets_draw_the_tokens_of_the_radix_select(spread: float) -> No
         features = SamplerFeatures.of((p, None) for p in params)
         graph_safe = sample(logits, state, slots, live, features).tokens
         assert torch.equal(sample(logits, state, slots, live, features, host_sync=True).tokens, graph_safe)
+
+
+def test_cpu_penalties_touch_only_seen_tokens_and_equal_the_full_float32_computation() -> None:
+    """The CPU path computes the penalties for the tokens a row has seen only; every logit must come out as the
+    computation over the whole [rows, vocab] gives it, bit for bit (bfloat16 and float32 logits, overflow clamped)."""
+    vocab = 5000
+    generator = torch.Generator().manual_seed(3)
+    params = [
+        SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
+        for r, p, f in [(1.3, 0.0, 0.0), (0.8, 0.5, 0.2), (1.0, -1.5, 0.7), (1.1, 2.0, -0.3), (1.0, 0.0, 0.0)]
+    ]
+    state = SamplerState(len(params), vocab, "cpu")
+    for slot, p in enumerate(params):
+        state.assign(slot, p, slot, torch.randint(0, vocab, (300,), generator=generator).tolist())
+    state.counts += torch.randint(0, 3, state.counts.shape, generator=generator, dtype=torch.int32) * (
+        torch.rand(state.counts.shape, generator=generator) < 0.01
+    )
+    slots = torch.tensor([4, 2, 0, 3, 1, 2])
+    counts = state.counts[slots]
+    generated = (counts & (sampler._IN_PROMPT - 1)).float()
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(len(slots), vocab, generator=generator) * 4).to(dtype)
+        x[:, :6] = torch.tensor([3.0e38, -3.0e38, 0.0, -0.0, 1e-30, -torch.inf]).to(dtype)
+        first_seen = counts.ne(0).int().argmax(1)
+        x[torch.arange(len(slots)), first_seen] = 3.0e38  # slot 1's repetition penalty 0.8 pushes it past float32
+        rep = state.repetition[slots][:, None]
+        full = torch.where(counts != 0, torch.where(x < 0, x * rep, x / rep), x)
+        full = full - (state.frequency[slots][:, None] * generated + state.presence[slots][:, None] * (generated > 0))
+        full = full.clamp_(max=torch.finfo(torch.float32).max)
+        got = sampler._penalized(x, state, slots)
+        assert got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), full.view(torch.int32))

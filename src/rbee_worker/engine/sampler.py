@@ -359,19 +359,26 @@ def _scores(
 def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
     """sampling.py's penalties, in the same float32 operations (the result is float32): the repetition penalty over
     the prompt and generated tokens (positive logits / r, negative * r), then presence and frequency over generated
-    ones; penalty overflow to +inf is clamped to the largest float, which keeps the order and a valid softmax. On
-    CUDA in one Triton kernel (the same float32 operations), not a pass over [rows, vocab] per operation."""
+    ones; penalty overflow to +inf is clamped to the largest float, which keeps the order and a valid softmax.
+
+    On CUDA in one Triton kernel (the same float32 operations), not a pass over [rows, vocab] per operation. Elsewhere
+    only the tokens a row has seen (counts != 0) are computed: a few hundred of a vocabulary of 50k-150k; every other
+    logit is only clamped, as the full computation leaves it (x - 0)."""
     if x.is_cuda:
         from rbee_worker.engine import sampler_triton  # Triton: not on CPU-only machines
 
         penalties = state.repetition, state.presence, state.frequency
         return sampler_triton.penalize(x, state.counts, slots, *penalties, _IN_PROMPT)
     counts = state.counts[slots]
-    generated = (counts & (_IN_PROMPT - 1)).float()
-    rep = state.repetition[slots][:, None]
-    x = torch.where(counts != 0, torch.where(x < 0, x * rep, x / rep), x)
-    penalty = state.frequency[slots][:, None] * generated + state.presence[slots][:, None] * (generated > 0)
-    return (x - penalty).clamp_(max=_FLOAT32.max)
+    rows, ids = counts.nonzero(as_tuple=True)
+    seen, row_slots = x[rows, ids].float(), slots[rows]
+    generated = (counts[rows, ids] & (_IN_PROMPT - 1)).float()
+    rep = state.repetition[row_slots]
+    seen = torch.where(seen < 0, seen * rep, seen / rep)
+    penalty = state.frequency[row_slots] * generated + state.presence[row_slots] * (generated > 0)
+    out = x.float().clamp(max=_FLOAT32.max)
+    out[rows, ids] = (seen - penalty).clamp_(max=_FLOAT32.max)
+    return out
 
 
 def _scaled(x: torch.Tensor, top: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
