@@ -6,12 +6,16 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from rbee_worker.models.demo import cache_dir, demo_model_path
 from rbee_worker.models.llama_cpp_model import llama_cpp_installed
+
+if TYPE_CHECKING:
+    from rbee_worker.engine.sampler import SamplerState
 
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python is not installed")
 # The runtimes that a test parametrized over them runs on (llama.cpp's where llama-cpp-python is installed). Under a
@@ -222,3 +226,23 @@ def assert_launched_ahead_as_waiting(waiting, ahead, prompts: Sequence[str]) -> 
     graphs.launch = lambda *args: chained.append(args[3]) or launch(*args)
     assert run_mixed_traffic(ahead, prompts, stop) == expected
     assert any(any(rows) for rows in chained)
+
+
+def penalty_state(vocab: int, generator: torch.Generator) -> tuple["SamplerState", torch.Tensor]:
+    """A SamplerState of five slots, one per kind of penalty (repetition above and below 1, presence and frequency of
+    both signs, none), each with 300 random prompt ids and about 1% of the vocabulary generated up to twice; and
+    the slots of six rows that read it (one slot twice)."""
+    from rbee_worker.engine.sampler import SamplerState
+    from rbee_worker.engine.sampling import SamplingParams
+
+    params = [
+        SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
+        for r, p, f in [(1.3, 0.0, 0.0), (0.8, 0.5, 0.2), (1.0, -1.5, 0.7), (1.1, 2.0, -0.3), (1.0, 0.0, 0.0)]
+    ]
+    state = SamplerState(len(params), vocab, "cpu")
+    for slot, p in enumerate(params):
+        state.assign(slot, p, slot, torch.randint(0, vocab, (300,), generator=generator).tolist())
+    state.counts += torch.randint(0, 3, state.counts.shape, generator=generator, dtype=torch.int32) * (
+        torch.rand(state.counts.shape, generator=generator) < 0.01
+    )
+    return state, torch.tensor([4, 2, 0, 3, 1, 2])

@@ -10,6 +10,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from conftest import penalty_state
 from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -745,17 +746,7 @@ def test_cpu_penalties_touch_only_seen_tokens_and_equal_the_full_float32_computa
     computation over the whole [rows, vocab] gives it, bit for bit (bfloat16 and float32 logits, overflow clamped)."""
     vocab = 5000
     generator = torch.Generator().manual_seed(3)
-    params = [
-        SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
-        for r, p, f in [(1.3, 0.0, 0.0), (0.8, 0.5, 0.2), (1.0, -1.5, 0.7), (1.1, 2.0, -0.3), (1.0, 0.0, 0.0)]
-    ]
-    state = SamplerState(len(params), vocab, "cpu")
-    for slot, p in enumerate(params):
-        state.assign(slot, p, slot, torch.randint(0, vocab, (300,), generator=generator).tolist())
-    state.counts += torch.randint(0, 3, state.counts.shape, generator=generator, dtype=torch.int32) * (
-        torch.rand(state.counts.shape, generator=generator) < 0.01
-    )
-    slots = torch.tensor([4, 2, 0, 3, 1, 2])
+    state, slots = penalty_state(vocab, generator)
     counts = state.counts[slots]
     generated = (counts & (sampler._IN_PROMPT - 1)).float()
     for dtype in (torch.bfloat16, torch.float32):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import penalty_state
 
 from rbee_worker.engine import sampler
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState
@@ -72,17 +73,7 @@ def compare_penalties(device: str, vocab: int) -> int:
     from rbee_worker.engine import sampler_triton
 
     generator = torch.Generator().manual_seed(vocab)
-    params = [
-        SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
-        for r, p, f in [(1.3, 0.0, 0.0), (0.8, 0.5, 0.2), (1.0, -1.5, 0.7), (1.1, 2.0, -0.3), (1.0, 0.0, 0.0)]
-    ]
-    state = SamplerState(len(params), vocab, "cpu")
-    for slot, p in enumerate(params):
-        state.assign(slot, p, slot, torch.randint(0, vocab, (300,), generator=generator).tolist())
-    state.counts += torch.randint(0, 3, state.counts.shape, generator=generator, dtype=torch.int32) * (
-        torch.rand(state.counts.shape, generator=generator) < 0.01
-    )
-    slots = torch.tensor([4, 2, 0, 3, 1, 2])
+    state, slots = penalty_state(vocab, generator)
     compared = 0
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(len(slots), vocab, generator=generator) * 4).to(dtype)
