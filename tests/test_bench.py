@@ -1,5 +1,7 @@
 """`rbee-worker bench --rounds`: how the rounds' figures and ratios are combined."""
 
+from conftest import cli
+
 from rbee_worker.benchmark.run import combine, ratios
 
 
@@ -32,3 +34,10 @@ def test_ratios_pair_each_peer_figure_with_the_workers() -> None:
         "aggregate_ratio_vs_rbee-torch@1": 2.0,
         "aggregate_ratio_vs_rbee-torch@16": 2.0,
     }
+
+
+def test_bench_rejects_fewer_than_one_round_or_repeat() -> None:
+    for flag in ("--rounds", "--repeats"):
+        result = cli("bench", flag, "0")
+        assert result.returncode == 2
+        assert f"argument {flag}: 0 is outside [1," in result.stderr.strip().splitlines()[-1]

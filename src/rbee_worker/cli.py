@@ -255,9 +255,12 @@ def build_parser() -> Parser:
         default="greedy",
         help="greedy, or chat: temperature 0.7 and top_p 0.9 (a chat client's usual settings), for every system",
     )
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--repeats", type=bounded(int, 1), default=3)
     bench.add_argument(
-        "--rounds", type=int, default=1, help="measure the worker and the peers in turn this many times (medians)"
+        "--rounds",
+        type=bounded(int, 1),
+        default=1,
+        help="measure the worker and the peers in turn this many times (medians)",
     )
     bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
     bench.add_argument(

@@ -58,6 +58,8 @@ def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tok
     params.n_gpu_layers = 0
     params.use_extra_bufts = not has_amx()  # AMX buffers crash on batches of several tokens (see above)
     model = native.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp cannot load {path}")
     vocab = native.llama_vocab_n_tokens(native.llama_model_get_vocab(model))
     streams, longest = len(prompts), max(len(p) for p in prompts)
     context_params = native.llama_context_default_params()
@@ -68,6 +70,9 @@ def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tok
     if threads:
         context_params.n_threads = context_params.n_threads_batch = threads
     context = native.llama_init_from_model(model, context_params)
+    if not context:
+        native.llama_model_free(model)
+        raise RuntimeError(f"llama.cpp cannot create a context of {streams} sequences")
     batch = native.llama_batch_init(context_params.n_batch, 0, 1)
 
     def step(rows: list[tuple[int, list[int], int]]) -> list[int]:
