@@ -4,6 +4,7 @@ per-job log line."""
 
 import json
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -341,12 +342,25 @@ def test_post_shutdown_cancels_what_outlives_the_drain_timeout(tmp_path: Path) -
     assert worker.process.wait(timeout=30) == 0, worker.stderr()
 
 
+def wait_bound(worker: Worker) -> None:
+    """Until the worker's port takes connections: `serve` binds it first and installs its stop handler right after,
+    before the heavy imports (before that, Python itself is still starting, and SIGTERM ends any program)."""
+    while True:
+        assert worker.process.poll() is None, worker.stderr()
+        try:
+            socket.create_connection(("127.0.0.1", worker.port), timeout=0.05).close()
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
 def test_stop_signal_while_loading_exits_0_at_once(tmp_path: Path) -> None:
     """SIGTERM while importing (the port is bound, nothing answers yet) and SIGINT while the model loads. The imports
     take about a second: signals at 15 moments across them, since one raised inside a transformers import once turned
     into an import error and exit 1 (3 of 24 such launches failed that way)."""
-    for delay in [0.15 + 0.05 * i for i in range(15)]:
+    for delay in [0.01 + 0.05 * i for i in range(15)]:
         early = launch(tmp_path)
+        wait_bound(early)
         time.sleep(delay)
         early.process.send_signal(signal.SIGTERM)
         assert early.process.wait(timeout=30) == 0, (delay, early.stderr())
