@@ -710,35 +710,68 @@ def test_callers_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
-# -- candidate sets (host_sync) ------------------------------------------------------------------------------------
+# -- the draw on the host (on_host) ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spread", [1.0, 3.0, 8.0])
-def test_candidate_sets_draw_the_tokens_of_the_radix_select(spread: float) -> None:
-    """With host_sync (a CPU), rows with top-k / top-p draw from their most likely tokens where the cut provably falls
-    among them, wider sets or the radix select otherwise: the tokens equal the graph-safe path's for every mix of
-    settings, flat rows (nothing covered: the fallbacks run) and peaked ones, with ties (rounded logits)."""
-    generator = torch.Generator().manual_seed(int(spread))
+def test_the_draw_on_the_host_gives_the_tokens_of_the_radix_select(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the host (a CPU), rows with top-k / top-p draw from the tokens above a floor where the cut provably falls
+    among them, a lower floor or the radix select otherwise, other rows by the inverse CDF in numpy: the tokens equal
+    the graph-safe path's for every mix of settings, flat rows and peaked ones, with ties (rounded logits); each way
+    runs (a top_p a hair below 1 needs tokens under every floor: the radix select)."""
+    outcomes: set[str] = set()
+    candidate_draw, radix = sampler.candidate_draw, sampler._draw
+
+    def counted_candidates(*args: object) -> int | None:
+        token = candidate_draw(*args)
+        outcomes.add("covered" if token is not None else "not covered")
+        return token
+
+    def counted_radix(*args: torch.Tensor) -> torch.Tensor:
+        outcomes.add("radix")
+        return radix(*args)
+
     rows, vocab = 16, 4096
     settings = [
         SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
         for t, k, p, m in [
             (0.3, 0, 0.9, 0.0), (0.7, 0, 0.9, 0.0), (1.0, 50, 1.0, 0.0), (1.5, 5, 0.5, 0.05), (0.7, 0, 1.0, 0.05),
             (1.0, 2000, 0.99, 0.0), (0.7, 64, 1.0, 0.0), (2.0, 0, 0.999, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 0, 0.2, 0.0),
+            (1.0, 0, 1 - 1e-9, 0.0),
         ]
     ]  # fmt: skip
     state = SamplerState(rows, vocab, "cpu")
     slots, live = torch.arange(rows), torch.zeros(rows, dtype=torch.bool)
-    for trial in range(6):
-        params = [settings[(trial + i) % len(settings)] for i in range(rows)]
-        for slot, p in enumerate(params):
-            state.assign(slot, p, 2**63 + 977 * trial + slot, [])
-        logits = torch.randn(rows, vocab, generator=generator) * spread
-        if trial % 2:
-            logits = logits.round()  # ties, at the cuts too
-        features = SamplerFeatures.of((p, None) for p in params)
-        graph_safe = sample(logits, state, slots, live, features).tokens
-        assert torch.equal(sample(logits, state, slots, live, features, host_sync=True).tokens, graph_safe)
+    for spread in (1.0, 3.0, 8.0):
+        generator = torch.Generator().manual_seed(int(spread))
+        for trial in range(6):
+            params = [settings[(trial + i) % len(settings)] for i in range(rows)]
+            for slot, p in enumerate(params):
+                state.assign(slot, p, 2**63 + 977 * trial + slot, [])
+            logits = torch.randn(rows, vocab, generator=generator) * spread
+            if trial % 2:
+                logits = logits.round()  # ties, at the cuts too
+            features = SamplerFeatures.of((p, None) for p in params)
+            graph_safe = sample(logits, state, slots, live, features).tokens
+            with monkeypatch.context() as patch:
+                patch.setattr(sampler, "candidate_draw", counted_candidates)
+                patch.setattr(sampler, "_draw", counted_radix)
+                on_host = sample(logits, state, slots, live, features, on_host=True).tokens
+            assert torch.equal(on_host, graph_safe)
+    assert outcomes == {"covered", "not covered", "radix"}
+
+
+def test_cpu_maxima_equal_torch_max() -> None:
+    """The CPU's row maxima (amax and numpy's argmax) give torch.max's values and first indices: ties, NaN, all -inf,
+    +inf, bfloat16."""
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)).round()  # ties
+    x[1, [7, 40]] = torch.nan
+    x[2] = -torch.inf
+    x[3, [9, 99]] = torch.inf
+    for logits in (x, x.bfloat16()):
+        values, ids = sampler._maxima(logits)
+        expected = logits.max(1)
+        assert torch.equal(ids, expected.indices)
+        torch.testing.assert_close(values, expected.values, rtol=0, atol=0, equal_nan=True)
 
 
 def test_cpu_penalties_touch_only_seen_tokens_and_equal_the_full_float32_computation() -> None:

@@ -16,8 +16,9 @@ A row, all on the device:
    token's) has weight 0 and is never drawn.
 3. Top-k, then top-p over its survivors (TopKLogitsWarper's and TopPLogitsWarper's rules, ties of the
    temperature-scaled logits): exactly, in integers, by selection.py's radix select; on CUDA, the same select and
-   draw as Triton kernels that keep no [rows, vocab] intermediates (sampler_triton.py); with `host_sync`, from
-   candidate sets where the cut provably falls inside them (the same tokens, without the select's histograms).
+   draw as Triton kernels that keep no [rows, vocab] intermediates (sampler_triton.py); on a CPU, row by row in
+   numpy from candidate sets where the cut provably falls inside them (the same tokens, without passes over the
+   whole row).
 4. Min-p: keep e >= min_p (e is the probability relative to the top token's).
 5. Draw: target = floor(u * total kept weight) for the row's uniform u = k / 2**53 (`uniform`), and the first token
    in id order whose cumulative kept weight exceeds it: inverse CDF, found without a scan of the whole row
@@ -27,10 +28,19 @@ A row, all on the device:
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.selection import block_sums, candidate_draw, keys_of, radix_top_k_top_p, scale_by, search
+from rbee_worker.engine.selection import (
+    block_sums,
+    candidate_draw,
+    inverse_cdf,
+    keys_of,
+    radix_top_k_top_p,
+    scale_by,
+    search,
+)
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit)
 # pack's row layout: token, valid, logprob, then (id, logprob) of the MAX_TOP_LOGPROBS most likely tokens.
@@ -41,9 +51,9 @@ _FRACTION_BITS = 53  # top_p and the uniform numbers are integers over 2**53
 # exp's argument is clamped here: below, the weight is 0 anyway (exp(-64) * 2**40 < 1e-15), and denormal results
 # would slow a CPU's exp and the products after it many times over.
 _EXP_FLOOR = -64.0
-# candidate_draw's widths, tried in turn on the rows not yet covered (a chat's nucleus: median 3 tokens, at most a few
-# hundred on the demo model at temperature 0.7, top_p 0.9); the rows left are drawn by the radix select.
-_CANDIDATE_WIDTHS = (64, 1024)
+# candidate_draw's floors on the scaled logits, tried in turn (a chat's nucleus on the demo model at temperature 0.7,
+# top_p 0.9: a median 13 tokens above -8, at most about 500); the rows no floor covers are drawn by the radix select.
+_CANDIDATE_FLOORS = (-8.0, -24.0)
 _IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
 _FLOAT32 = torch.finfo(torch.float32)
 # SplitMix64 (Steele, Lea, Flood 2014), as signed 64-bit constants: torch's int64 multiplication wraps.
@@ -182,19 +192,19 @@ def sample(
     slots: torch.Tensor,
     live: torch.Tensor,
     features: SamplerFeatures,
-    host_sync: bool = False,
+    on_host: bool = False,
 ) -> SampleOutput:
     """One token per row. `logits`: [rows, vocab], any float dtype; `slots`: [rows] int64, each row's slot in `state`;
     `live`: [rows] bool, the rows that really decode. Each live row with valid logits advances its slot: the draw
     counter, and with `features.penalties` the chosen token's count, so that a chained step sees them. Padding rows
-    read their slot's state but leave it untouched. `host_sync`: the caller allows the host to wait for the device
-    (a CPU), which lets top-k / top-p draw from candidate sets (_draw_with_candidates); the tokens are the same."""
+    read their slot's state but leave it untouched. `on_host`: the tensors are in the host's memory (a CPU) and the
+    caller allows the host to look at them, which draws row by row in numpy (_draw_on_host); the tokens are the same."""
     x, top, best, valid = _scores(logits, state, slots, features)
     tokens = best
     if features.sampling:
         bits = _draw_bits(state.stream[slots], state.counter[slots])[:, None]
-        if host_sync and features.filters:
-            drawn = _draw_with_candidates(x, top, state, slots, features, bits)
+        if on_host:
+            drawn = _draw_on_host(x, top, valid, state, slots, features, bits)
         elif x.is_cuda:
             from rbee_worker.engine import sampler_triton  # Triton: not on CPU-only machines
 
@@ -225,46 +235,49 @@ def _draw(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return drawn.squeeze(1)
 
 
-def _draw_with_candidates(
+def _draw_on_host(
     x: torch.Tensor,
     top: torch.Tensor,
+    valid: torch.Tensor,
     state: SamplerState,
     slots: torch.Tensor,
     features: SamplerFeatures,
     bits: torch.Tensor,
 ) -> torch.Tensor:
-    """The tokens `_draw(_kept_weights(...))` gives, drawing the rows with top-k or top-p from their most likely
-    tokens where the cut provably falls among them (selection.candidate_draw), wider sets for the rows left, and the
-    radix select for the rest; rows without those filters draw from the whole row. Synchronizes with the device, and
-    indexes row subsets only where the rows differ (a copy of a subset costs as much as the draw)."""
+    """The tokens `_draw(_kept_weights(...))` gives, drawn row by row on the host over numpy views of the tensors (a
+    CPU's): rows with top-k or top-p from their candidates (selection.candidate_draw, each floor in turn; with top-k,
+    the k-th largest scaled logit after the first), the radix select for the rows no floor covers; other rows by the
+    inverse CDF over the whole row. Greedy and invalid rows get 0 (`sample` takes the argmax for greedy rows)."""
     scaled = _scaled(x, top, state, slots)
     relative = scaled.clamp(min=_EXP_FLOOR).exp_()
-    min_p = state.min_p[slots][:, None]
-    keep = relative >= min_p if bool((min_p > 0).any()) else None
-    weights = relative.mul_(_WEIGHT_ONE).long()
-    top_k, top_p = state.top_k[slots][:, None], state.top_p[slots][:, None]
-    filtered = ((top_k < state.vocab_size) | (top_p < 2**_FRACTION_BITS)).squeeze(1)
-    tokens = torch.zeros_like(top, dtype=torch.long)
-    left = filtered.nonzero().squeeze(1)
-    if left.numel() < filtered.numel():  # rows without top-k / top-p
-        plain = (~filtered).nonzero().squeeze(1)
-        kept = weights[plain] if keep is None else weights[plain] * keep[plain]
-        tokens[plain] = _draw(kept, bits[plain])
-
-    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return tensor if tensor is None or left.numel() == filtered.numel() else tensor[left]
-
-    for width in _CANDIDATE_WIDTHS:
-        if not left.numel() or width >= state.vocab_size:
-            break
-        drawn, covered = candidate_draw(
-            rows(scaled), rows(weights), rows(keep), rows(top_k), rows(top_p), rows(bits), width
-        )
-        tokens[left[covered]] = drawn[covered]
-        left = left[~covered]
-    if left.numel():
-        tokens[left] = _draw(_kept_weights(x[left], top[left], state, slots[left], features), bits[left])
-    return tokens
+    weights = (relative * _WEIGHT_ONE).long()
+    totals = weights.sum(1).tolist()
+    drawn = (valid & ~state.greedy[slots]).tolist()
+    top_k, top_p, min_p = state.top_k[slots].tolist(), state.top_p[slots].tolist(), state.min_p[slots].tolist()
+    uniform_bits = bits.squeeze(1).tolist()
+    rows = zip(scaled.numpy(), relative.numpy(), weights.numpy(), strict=True)
+    tokens, left = [0] * len(drawn), []
+    for i, (s, r, w) in enumerate(rows):
+        if not drawn[i]:
+            continue
+        if top_k[i] == state.vocab_size and top_p[i] == 2**_FRACTION_BITS:
+            tokens[i] = inverse_cdf(np.where(r >= min_p[i], w, 0) if min_p[i] > 0 else w, uniform_bits[i])
+            continue
+        floors = _CANDIDATE_FLOORS
+        if top_k[i] < state.vocab_size:  # then the k-th largest scaled logit: its candidates hold every survivor
+            floors = floors[0], float(scaled[i].topk(top_k[i]).values[-1])
+        for floor in floors:
+            token = candidate_draw(s, r, w, totals[i], top_k[i], top_p[i], min_p[i], uniform_bits[i], floor)
+            if token is not None:
+                tokens[i] = token
+                break
+        else:
+            left.append(i)
+    out = torch.tensor(tokens)
+    if left:
+        index = torch.tensor(left)
+        out[index] = _draw(_kept_weights(x[index], top[index], state, slots[index], features), bits[index])
+    return out
 
 
 def probabilities(
@@ -347,13 +360,23 @@ def _scores(
         words = state.allowed[slots]
         bits = (words[:, :, None] >> state._bits) & 1
         x = x.masked_fill(bits.view(words.shape[0], -1)[:, : state.vocab_size] == 0, -torch.inf)
-    top, best = x.max(1)  # NaN propagates into the maximum
+    top, best = _maxima(x)  # NaN propagates into the maximum
     valid = (top > -torch.inf) & (top < torch.inf)
     if features.penalties:
         x = _penalized(x, state, slots)
-        top, best = x.max(1)
+        top, best = _maxima(x)
         valid &= top > -torch.inf
     return x, top.float(), best, valid
+
+
+def _maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.max(1): each row's maximum and the first index holding it. On a CPU by amax and numpy's argmax (the same
+    index, a NaN counting as the maximum in both): ATen's max with indices runs a scalar loop there, about eight times
+    slower over a 49k vocabulary."""
+    if x.device.type != "cpu":
+        return x.max(1)
+    values = x if x.dtype == torch.float32 else x.float()  # numpy has no bfloat16; the conversion is exact
+    return x.amax(1), torch.from_numpy(values.numpy().argmax(1))
 
 
 def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:

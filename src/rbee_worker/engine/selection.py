@@ -8,9 +8,9 @@ to the same kept set:
   the host (inside a CUDA graph): two passes over digits of 15 and 16 bits (three of 11, 10, 10 for a vocabulary
   under 2**14), each a per-row histogram (scatter_add) of the tokens that share the digits found so far, whose
   cumulative sum picks the next digit.
-- `candidate_draw`: the row's `width` most likely tokens (topk), sorted by (key, id), where the cut provably falls
-  inside them; for a device where the host may look at a result (a CPU), where the select's histograms cost more than
-  the forward's step at a few rows.
+- `candidate_draw`: one row on the host (numpy), from the tokens whose scaled logit passes a floor, where the cut
+  provably falls among them; for a CPU, where a few rows' passes over the whole vocabulary (the select's histograms,
+  or a topk) cost more than the model's step.
 
 Top-k keeps the keys <= the k-th smallest, ties included (TopKLogitsWarper). Top-p over the top-k survivors keeps a
 token iff the mass before it (more likely tokens, then tied ones of lower id) is < top_p * the survivors' mass:
@@ -20,6 +20,7 @@ fixed-point fraction.
 
 import math
 
+import numpy as np
 import torch
 
 # The radix select's digits of a key (a non-negative float32's bits, < 2**31), most significant first, as (shift,
@@ -124,38 +125,46 @@ def search(weights: torch.Tensor, sums: torch.Tensor, target: torch.Tensor) -> t
 
 
 def candidate_draw(
-    scaled: torch.Tensor,
-    weights: torch.Tensor,
-    keep: torch.Tensor | None,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    bits: torch.Tensor,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's drawn token from its `width` most likely (largest `scaled`, the temperature-scaled logits; `weights`
-    and min-p's `keep` (None: all) as in the full row; `top_k` [rows, 1], the vocabulary size when off; `top_p`
-    [rows, 1] over 2**53; `bits` [rows, 1] the draw's uniform over 2**53), and whether the cut provably falls inside
-    them: top-k's k-th key is below the width-th (no token outside ties with it), or top-p's mass of the tokens below
-    the width-th key already passes the cut (every token outside has at least that much before it). Rows not covered
-    must be drawn from the whole row; their token here is garbage."""
-    vocab = scaled.shape[1]
-    values, ids = scaled.topk(width, 1)
-    keys = keys_of(values)
-    order = (keys * vocab + ids).sort(1).indices  # by key, then by id: the order the cut rules count in
-    ids, keys = ids.gather(1, order), keys.gather(1, order)
-    w = weights.gather(1, ids)
-    last = keys[:, -1:]
-    k_on = top_k < vocab
-    kth = keys.gather(1, (top_k - 1).clamp(max=width - 1))
-    covered = ~k_on | ((top_k <= width) & (kth < last))
-    w = torch.where(k_on & (keys > kth), 0, w)
-    total = torch.where(k_on, w.sum(1, keepdim=True), weights.sum(1, keepdim=True))
-    mass = scale_by(top_p, total, -1).clamp_(min=0)
-    covered &= k_on | (torch.where(keys < last, w, 0).sum(1, keepdim=True) > mass)
-    kept = w.cumsum(1) - w <= mass
-    if keep is not None:
-        kept &= keep.gather(1, ids)
-    by_id = ids.sort(1)
-    cumulative = torch.where(kept, w, 0).gather(1, by_id.indices).cumsum(1)
-    pick = torch.searchsorted(cumulative, scale_by(bits, cumulative[:, -1:]), right=True).clamp_(max=width - 1)
-    return by_id.values.gather(1, pick).squeeze(1), covered.squeeze(1)
+    scaled: np.ndarray,
+    relative: np.ndarray,
+    weights: np.ndarray,
+    total: int,
+    top_k: int,
+    top_p: int,
+    min_p: float,
+    bits: int,
+    floor: float,
+) -> int | None:
+    """One row's token as `radix_top_k_top_p` and the inverse CDF draw give it, from its candidates, the tokens of
+    scaled logit >= `floor`; None where the cut may fall outside them. On the host, for a CPU: a few numpy operations
+    over a few tokens instead of passes over the whole row.
+
+    Row arrays over the vocabulary: `scaled` the temperature-scaled logits (float32 <= 0), `relative` = exp(scaled),
+    `weights` the integer weights, `total` their sum; `top_k` the vocabulary size when off, `top_p` and `bits` over
+    2**53. Every token outside has a smaller scaled logit than every candidate, so it comes after them all in the
+    cut's order: top-k's k-th key is a candidate's when k is at most their number, and top-p's cut falls among them
+    when they weigh more than the mass it keeps (every token outside has at least their weight before it)."""
+    ids = np.flatnonzero(scaled >= floor)
+    keys = scaled[ids].view(np.int32) & 0x7FFFFFFF
+    order = np.lexsort((ids, keys))  # by key, then by id: the order the cut rules count in
+    w = weights[ids[order]]
+    if top_k < scaled.shape[0]:
+        if top_k > ids.size:
+            return None
+        keys = keys[order]
+        w[keys > keys[top_k - 1]] = 0
+        total = int(w.sum())
+    elif int(w.sum()) <= (top_p * total - 1) >> 53:
+        return None
+    before = np.cumsum(w) - w
+    kept = np.empty_like(w)
+    kept[order] = np.where(before <= max((top_p * total - 1) >> 53, 0), w, 0)
+    if min_p > 0:
+        kept[relative[ids] < min_p] = 0
+    return int(ids[inverse_cdf(kept, bits)])
+
+
+def inverse_cdf(weights: np.ndarray, bits: int) -> int:
+    """The first index whose cumulative weight (int64, total > 0) exceeds floor(bits * total / 2**53)."""
+    cumulative = np.cumsum(weights)
+    return int(np.searchsorted(cumulative, (bits * int(cumulative[-1])) >> 53, side="right"))

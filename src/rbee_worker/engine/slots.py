@@ -113,5 +113,5 @@ class SlotSampling:
         features = self.features([slot for slot, alive in zip(slots, live, strict=True) if alive])
         index = torch.tensor(slots, device=self.device)
         live_rows = torch.tensor(live, device=self.device)
-        out = sample(logits, self.state, index, live_rows, features, host_sync=self.device.type == "cpu")
+        out = sample(logits, self.state, index, live_rows, features, on_host=self.device.type == "cpu")
         return pack(out).tolist()
