@@ -27,6 +27,7 @@ A row, all on the device:
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -51,15 +52,17 @@ _FRACTION_BITS = 53  # top_p and the uniform numbers are integers over 2**53
 # exp's argument is clamped here: below, the weight is 0 anyway (exp(-64) * 2**40 < 1e-15), and denormal results
 # would slow a CPU's exp and the products after it many times over.
 _EXP_FLOOR = -64.0
-# candidate_draw's floors on the scaled logits, tried in turn (a chat's nucleus on the demo model at temperature 0.7,
-# top_p 0.9: a median 13 tokens above -8, at most about 500); the rows no floor covers are drawn by the radix select.
-_CANDIDATE_FLOORS = (-8.0, -24.0)
+# candidate_draw's floors on the scaled logits, tried in turn until one covers the row's cut. The demo model at
+# temperature 0.7 has a median 13 tokens above -8 (a chat's nucleus, top_p 0.9, nearly always among them), 330 above
+# -16 (top_k 50 there in 85% of the rows), 4416 above -24; the rows no floor covers are drawn by the radix select.
+_CANDIDATE_FLOORS = (-8.0, -16.0, -24.0)
 _IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
 _FLOAT32 = torch.finfo(torch.float32)
 # SplitMix64 (Steele, Lea, Flood 2014), as signed 64-bit constants: torch's int64 multiplication wraps.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
 _MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX_2 = 0x94D049BB133111EB - 2**64
+Int64s = TypeVar("Int64s", torch.Tensor, np.ndarray)  # SplitMix64's operands: int64 tensors or numpy arrays
 
 
 def check_seed(seed: int) -> int:
@@ -202,18 +205,19 @@ def sample(
     x, top, best, valid = _scores(logits, state, slots, features)
     tokens = best
     if features.sampling:
-        bits = _draw_bits(state.stream[slots], state.counter[slots])[:, None]
         if on_host:
-            drawn = _draw_on_host(x, top, valid, state, slots, features, bits)
-        elif x.is_cuda:
-            from rbee_worker.engine import sampler_triton  # Triton: not on CPU-only machines
-
-            drawn = sampler_triton.draw(
-                x, top, state.temperature[slots], state.top_k[slots] if features.top_k else None,
-                state.top_p[slots] if features.filters else None, state.min_p[slots], bits.squeeze(1),
-            )  # fmt: skip
+            drawn = _draw_on_host(x, top, valid, state, slots, features)
         else:
-            drawn = _draw(_kept_weights(x, top, state, slots, features), bits)
+            bits = _draw_bits(state.stream[slots], state.counter[slots])[:, None]
+            if x.is_cuda:
+                from rbee_worker.engine import sampler_triton  # Triton: not on CPU-only machines
+
+                drawn = sampler_triton.draw(
+                    x, top, state.temperature[slots], state.top_k[slots] if features.top_k else None,
+                    state.top_p[slots] if features.filters else None, state.min_p[slots], bits.squeeze(1),
+                )  # fmt: skip
+            else:
+                drawn = _draw(_kept_weights(x, top, state, slots, features), bits)
         tokens = torch.where(state.greedy[slots], best, drawn)
     advance = live & valid
     state.counter.scatter_add_(0, slots, advance.long())
@@ -242,41 +246,41 @@ def _draw_on_host(
     state: SamplerState,
     slots: torch.Tensor,
     features: SamplerFeatures,
-    bits: torch.Tensor,
 ) -> torch.Tensor:
     """The tokens `_draw(_kept_weights(...))` gives, drawn row by row on the host over numpy views of the tensors (a
-    CPU's): rows with top-k or top-p from their candidates (selection.candidate_draw, each floor in turn; with top-k,
-    the k-th largest scaled logit after the first), the radix select for the rows no floor covers; other rows by the
-    inverse CDF over the whole row. Greedy and invalid rows get 0 (`sample` takes the argmax for greedy rows)."""
+    CPU's): rows with top-k or top-p from their candidates (selection.candidate_draw, each floor in turn), the radix
+    select for the rows no floor covers; other rows by the inverse CDF over the whole row. Greedy and invalid rows
+    get 0 (`sample` takes the argmax for greedy rows). The slots' parameters and uniform numbers come through numpy
+    too: a few rows' worth of tensor operations cost more in dispatch than in arithmetic."""
     scaled = _scaled(x, top, state, slots)
     relative = scaled.clamp(min=_EXP_FLOOR).exp_()
     weights = (relative * _WEIGHT_ONE).long()
     totals = weights.sum(1).tolist()
-    drawn = (valid & ~state.greedy[slots]).tolist()
-    top_k, top_p, min_p = state.top_k[slots].tolist(), state.top_p[slots].tolist(), state.min_p[slots].tolist()
-    uniform_bits = bits.squeeze(1).tolist()
+    index = slots.numpy()
+    bits = _draw_bits(state.stream.numpy()[index], state.counter.numpy()[index])
+    drawn = (valid.numpy() & ~state.greedy.numpy()[index]).tolist()
+    top_k, top_p = state.top_k.numpy()[index].tolist(), state.top_p.numpy()[index].tolist()
+    min_p, uniform_bits = state.min_p.numpy()[index].tolist(), bits.tolist()
     rows = zip(scaled.numpy(), relative.numpy(), weights.numpy(), strict=True)
-    tokens, left = [0] * len(drawn), []
+    tokens, left = np.zeros(len(drawn), dtype=np.int64), []
     for i, (s, r, w) in enumerate(rows):
         if not drawn[i]:
             continue
         if top_k[i] == state.vocab_size and top_p[i] == 2**_FRACTION_BITS:
             tokens[i] = inverse_cdf(np.where(r >= min_p[i], w, 0) if min_p[i] > 0 else w, uniform_bits[i])
             continue
-        floors = _CANDIDATE_FLOORS
-        if top_k[i] < state.vocab_size:  # then the k-th largest scaled logit: its candidates hold every survivor
-            floors = floors[0], float(scaled[i].topk(top_k[i]).values[-1])
-        for floor in floors:
+        for floor in _CANDIDATE_FLOORS:
             token = candidate_draw(s, r, w, totals[i], top_k[i], top_p[i], min_p[i], uniform_bits[i], floor)
             if token is not None:
                 tokens[i] = token
                 break
         else:
             left.append(i)
-    out = torch.tensor(tokens)
+    out = torch.from_numpy(tokens)
     if left:
-        index = torch.tensor(left)
-        out[index] = _draw(_kept_weights(x[index], top[index], state, slots[index], features), bits[index])
+        rows_left = torch.tensor(left)
+        kept = _kept_weights(x[rows_left], top[rows_left], state, slots[rows_left], features)
+        out[rows_left] = _draw(kept, torch.from_numpy(bits[left])[:, None])
     return out
 
 
@@ -331,16 +335,17 @@ def _stream(seeds: torch.Tensor) -> torch.Tensor:
     return _mix(seeds) + _GAMMA
 
 
-def _draw_bits(streams: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def _draw_bits(streams: Int64s, counters: Int64s) -> Int64s:
+    """`uniform` of streams (`_stream`); int64 tensors or numpy arrays, whose arithmetic wraps alike."""
     return _shift_right(_mix(streams + counters * _GAMMA), 64 - _FRACTION_BITS)
 
 
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+def _shift_right(z: Int64s, bits: int) -> Int64s:
     """Logical right shift of int64 values (torch's >> is arithmetic)."""
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _mix(z: torch.Tensor) -> torch.Tensor:
+def _mix(z: Int64s) -> Int64s:
     """SplitMix64's output function, a bijection of 64-bit values."""
     z = (z ^ _shift_right(z, 30)) * _MIX_1
     z = (z ^ _shift_right(z, 27)) * _MIX_2

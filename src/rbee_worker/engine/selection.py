@@ -142,23 +142,27 @@ def candidate_draw(
     Row arrays over the vocabulary: `scaled` the temperature-scaled logits (float32 <= 0), `relative` = exp(scaled),
     `weights` the integer weights, `total` their sum; `top_k` the vocabulary size when off, `top_p` and `bits` over
     2**53. Every token outside has a smaller scaled logit than every candidate, so it comes after them all in the
-    cut's order: top-k's k-th key is a candidate's when k is at most their number, and top-p's cut falls among them
+    cut's order: top-k's survivors are candidates when k is at most their number, and top-p's cut falls among them
     when they weigh more than the mass it keeps (every token outside has at least their weight before it)."""
     ids = np.flatnonzero(scaled >= floor)
-    keys = scaled[ids].view(np.int32) & 0x7FFFFFFF
-    order = np.lexsort((ids, keys))  # by key, then by id: the order the cut rules count in
-    w = weights[ids[order]]
     if top_k < scaled.shape[0]:
         if top_k > ids.size:
             return None
-        keys = keys[order]
-        w[keys > keys[top_k - 1]] = 0
+        if top_k < ids.size:  # top-k's survivors: the scaled logits >= the k-th largest, ties included
+            values = scaled[ids]
+            ids = ids[values >= np.partition(values, ids.size - top_k)[ids.size - top_k]]
+        w = weights[ids]
         total = int(w.sum())
-    elif int(w.sum()) <= (top_p * total - 1) >> 53:
+    else:
+        w = weights[ids]
+    mass = max((top_p * total - 1) >> 53, 0)
+    if int(w.sum()) <= mass:
         return None
-    before = np.cumsum(w) - w
+    keys = scaled[ids].view(np.int32) & 0x7FFFFFFF
+    order = np.lexsort((ids, keys))  # by key, then by id: the order the cut rules count in
+    ordered = w[order]
     kept = np.empty_like(w)
-    kept[order] = np.where(before <= max((top_p * total - 1) >> 53, 0), w, 0)
+    kept[order] = np.where(np.cumsum(ordered) - ordered <= mass, ordered, 0)
     if min_p > 0:
         kept[relative[ids] < min_p] = 0
     return int(ids[inverse_cdf(kept, bits)])
