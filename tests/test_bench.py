@@ -1,7 +1,11 @@
-"""`rbee-worker bench --rounds`: how the rounds' figures and ratios are combined."""
+"""`rbee-worker bench`: how the rounds' figures and ratios are combined; what the llama.cpp peer's bare loop times."""
 
+from pathlib import Path
+
+import pytest
 from conftest import cli
 
+from rbee_worker.benchmark.llama_cpp import batched_decode
 from rbee_worker.benchmark.run import combine, ratios
 
 
@@ -41,3 +45,12 @@ def test_bench_rejects_fewer_than_one_round_or_repeat() -> None:
         result = cli("bench", flag, "0")
         assert result.returncode == 2
         assert f"argument {flag}: 0 is outside [1," in result.stderr.strip().splitlines()[-1]
+
+
+def test_llama_cpp_batched_decode_counts_the_prompts_as_the_workers_aggregate_does(demo_gguf: Path) -> None:
+    """The bare llama_decode loop's aggregate covers the work the worker's aggregate covers (the prompts' batch and
+    every token), so it is below its figure over the decode steps alone, which leaves the prompts out."""
+    pytest.importorskip("llama_cpp")
+    prompts = [[*range(1000, 1200), i] for i in range(4)]
+    end_to_end, decode_only = batched_decode(str(demo_gguf), 2, prompts, 8)
+    assert 0 < end_to_end < decode_only

@@ -44,11 +44,13 @@ def open_llama(path: str, *, plain_buffers: bool, **kwargs: Any) -> "Llama":
         native.llama_model_default_params = defaults
 
 
-def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tokens: int) -> float:
-    """llama.cpp's own batched decode, with no serving around it: aggregate tok/s of `tokens` greedy steps over
-    len(prompts) sequences. One context with a KV sequence per prompt (not unified, as the worker's llama.cpp runtime
-    sets it up), all prompts in one batch, then one `llama_decode` per step of one token per sequence, each the argmax
-    of its logits on the host."""
+def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """llama.cpp's own batched decode, with no serving around it: `tokens` greedy tokens for each of len(prompts)
+    sequences. One context with a KV sequence per prompt (not unified, as the worker's llama.cpp runtime sets it up),
+    all prompts in one batch (which gives each sequence its first token), then one `llama_decode` per step of one
+    token per sequence, each the argmax of its logits on the host. Returns aggregate tok/s as a client counts it
+    (every token, from the prompts' batch to the last step: the work the worker's aggregate covers), and over the
+    decode steps alone."""
     import ctypes
 
     import llama_cpp.llama_cpp as native
@@ -91,11 +93,13 @@ def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tok
         return logits.reshape(len(rows), vocab).argmax(1).tolist()
 
     try:
-        last = step([(s, p, 0) for s, p in enumerate(prompts)])
         started = time.perf_counter()
-        for t in range(tokens):
+        last = step([(s, p, 0) for s, p in enumerate(prompts)])
+        decoding = time.perf_counter()
+        for t in range(tokens - 1):
             last = step([(s, [last[s]], len(p) + t) for s, p in enumerate(prompts)])
-        return streams * tokens / (time.perf_counter() - started)
+        ended = time.perf_counter()
+        return streams * tokens / (ended - started), streams * (tokens - 1) / (ended - decoding)
     finally:
         native.llama_batch_free(batch)
         native.llama_free(context)

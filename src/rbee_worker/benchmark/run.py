@@ -230,6 +230,12 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         if "plain_decode_tok_s" in r:
             lines.append(f"| {name}, plain buffers | | | {r['plain_decode_tok_s']:.1f} |")
+        if decode_only := r.get("decode_aggregate_tok_s"):
+            lines.append(
+                f"| {name}, decode steps alone | | | | "
+                + " | ".join(f"{decode_only[c]:.0f}" for c in concurrency)
+                + " |"
+            )
     return "\n".join(lines)
 
 
