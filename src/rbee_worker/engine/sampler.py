@@ -34,6 +34,7 @@ import torch
 
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.selection import (
+    FRACTION_BITS,
     block_sums,
     candidate_draw,
     inverse_cdf,
@@ -48,7 +49,6 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's l
 PACKED_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS
 MAX_VOCAB = 2**19  # keeps sums of weights below 2**59 (scale_by) and token ids exact in pack's float32
 _WEIGHT_ONE = 2.0**40  # the top token's weight
-_FRACTION_BITS = 53  # top_p and the uniform numbers are integers over 2**53
 # exp's argument is clamped here: below, the weight is 0 anyway (exp(-64) * 2**40 < 1e-15), and denormal results
 # would slow a CPU's exp and the products after it many times over.
 _EXP_FLOOR = -64.0
@@ -149,7 +149,7 @@ class SamplerState:
         self.greedy[slot] = greedy
         self.temperature[slot] = 1.0 if greedy else params.temperature
         self.top_k[slot] = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
-        self.top_p[slot] = round(params.top_p * 2**_FRACTION_BITS)
+        self.top_p[slot] = round(params.top_p * 2**FRACTION_BITS)
         self.min_p[slot] = params.min_p
         # A penalty below float32's smallest normal number would be 0 there, and 0 / 0 is NaN.
         self.repetition[slot] = max(params.repetition_penalty, _FLOAT32.tiny)
@@ -266,7 +266,7 @@ def _draw_on_host(
     for i, (s, r, w) in enumerate(rows):
         if not drawn[i]:
             continue
-        if top_k[i] == state.vocab_size and top_p[i] == 2**_FRACTION_BITS:
+        if top_k[i] == state.vocab_size and top_p[i] == 2**FRACTION_BITS:
             tokens[i] = inverse_cdf(np.where(r >= min_p[i], w, 0) if min_p[i] > 0 else w, uniform_bits[i])
             continue
         for floor in _CANDIDATE_FLOORS:
@@ -337,7 +337,7 @@ def _stream(seeds: torch.Tensor) -> torch.Tensor:
 
 def _draw_bits(streams: Int64s, counters: Int64s) -> Int64s:
     """`uniform` of streams (`_stream`); int64 tensors or numpy arrays, whose arithmetic wraps alike."""
-    return _shift_right(_mix(streams + counters * _GAMMA), 64 - _FRACTION_BITS)
+    return _shift_right(_mix(streams + counters * _GAMMA), 64 - FRACTION_BITS)
 
 
 def _shift_right(z: Int64s, bits: int) -> Int64s:

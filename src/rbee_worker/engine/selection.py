@@ -23,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+FRACTION_BITS = 53  # top_p and the uniform numbers are integers over 2**53
 # The radix select's digits of a key (a non-negative float32's bits, < 2**31), most significant first, as (shift,
 # bits): two passes where the vocabulary outnumbers their histograms' 2**15 + 2**16 bins (each pass costs a scatter
 # over the vocabulary), three with small histograms otherwise (short rows; many rows of a small vocabulary).
@@ -155,7 +156,7 @@ def candidate_draw(
         total = int(w.sum())
     else:
         w = weights[ids]
-    mass = max((top_p * total - 1) >> 53, 0)
+    mass = max((top_p * total - 1) >> FRACTION_BITS, 0)
     if int(w.sum()) <= mass:
         return None
     keys = scaled[ids].view(np.int32) & 0x7FFFFFFF
@@ -171,4 +172,4 @@ def candidate_draw(
 def inverse_cdf(weights: np.ndarray, bits: int) -> int:
     """The first index whose cumulative weight (int64, total > 0) exceeds floor(bits * total / 2**53)."""
     cumulative = np.cumsum(weights)
-    return int(np.searchsorted(cumulative, (bits * int(cumulative[-1])) >> 53, side="right"))
+    return int(np.searchsorted(cumulative, (bits * int(cumulative[-1])) >> FRACTION_BITS, side="right"))
