@@ -48,9 +48,8 @@ def batched_decode(path: str, threads: int | None, prompts: list[list[int]], tok
     """llama.cpp's own batched decode, with no serving around it: `tokens` greedy tokens for each of len(prompts)
     sequences. One context with a KV sequence per prompt (not unified, as the worker's llama.cpp runtime sets it up),
     all prompts in one batch (which gives each sequence its first token), then one `llama_decode` per step of one
-    token per sequence, each the argmax of its logits on the host. Returns aggregate tok/s as a client counts it
-    (every token, from the prompts' batch to the last step: the work the worker's aggregate covers), and over the
-    decode steps alone."""
+    token per sequence, each the argmax of its logits on the host. Returns the aggregate tok/s over every token from
+    the prompts' batch to the last step (the work the worker's aggregate covers) and over the decode steps alone."""
     import ctypes
 
     import llama_cpp.llama_cpp as native
