@@ -52,9 +52,9 @@ _WEIGHT_ONE = 2.0**40  # the top token's weight
 # exp's argument is clamped here: below, the weight is 0 anyway (exp(-64) * 2**40 < 1e-15), and denormal results
 # would slow a CPU's exp and the products after it many times over.
 _EXP_FLOOR = -64.0
-# candidate_draw's floors on the scaled logits, tried in turn until one covers the row's cut. The demo model at
-# temperature 0.7 has a median 13 tokens above -8 (a chat's nucleus, top_p 0.9, nearly always among them), 330 above
-# -16 (top_k 50 there in 85% of the rows), 4416 above -24; the rows no floor covers are drawn by the radix select.
+# candidate_draw's floors on the scaled logits, tried in turn until one covers the row's cut: the first holds a chat's
+# nucleus (top_p 0.9) in nearly every row, the second top_k 50 in most, the third nearly every token of nonzero weight
+# (counts on the demo model: bench/results/README.md, stop 25); the rows no floor covers are drawn by the radix select.
 _CANDIDATE_FLOORS = (-8.0, -16.0, -24.0)
 _IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
 _FLOAT32 = torch.finfo(torch.float32)
@@ -376,8 +376,8 @@ def _scores(
 
 def _maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x.max(1): each row's maximum and the first index holding it. On a CPU by amax and numpy's argmax (the same
-    index, a NaN counting as the maximum in both): ATen's max with indices runs a scalar loop there, about eight times
-    slower over a 49k vocabulary."""
+    index, a NaN counting as the maximum in both): ATen's max with indices runs a scalar loop there, several times
+    slower over a large vocabulary."""
     if x.device.type != "cpu":
         return x.max(1)
     values = x if x.dtype == torch.float32 else x.float()  # numpy has no bfloat16; the conversion is exact
