@@ -52,5 +52,20 @@ def test_llama_cpp_batched_decode_counts_the_prompts_as_the_workers_aggregate_do
     every token), so it is below its figure over the decode steps alone, which leaves the prompts out."""
     pytest.importorskip("llama_cpp")
     prompts = [[*range(1000, 1200), i] for i in range(4)]
-    end_to_end, decode_only = batched_decode(str(demo_gguf), 2, prompts, 8)
-    assert 0 < end_to_end < decode_only
+    run = batched_decode(str(demo_gguf), 2, prompts, 8)
+    assert 0 < run.aggregate_tok_s < run.decode_tok_s
+    assert [len(tokens) for tokens in run.tokens] == [8] * 4
+
+
+def test_llama_cpp_batched_decode_samples_with_llama_cpps_sampler_chain(demo_gguf: Path) -> None:
+    """Sampled, each sequence draws from its own seeded chain: two sequences of one prompt part ways (greedy, they
+    stay the same), and a second run draws the same tokens."""
+    pytest.importorskip("llama_cpp")
+    prompts = [[*range(1000, 1020)]] * 2
+    greedy = batched_decode(str(demo_gguf), 2, prompts, 16, {"temperature": 0.0, "top_p": 1.0}).tokens
+    chat = {"temperature": 0.7, "top_p": 0.9}
+    sampled = batched_decode(str(demo_gguf), 2, prompts, 16, chat).tokens
+    assert greedy[0] == greedy[1]
+    assert sampled[0] != sampled[1]
+    assert sampled != greedy
+    assert batched_decode(str(demo_gguf), 2, prompts, 16, chat).tokens == sampled

@@ -166,16 +166,21 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
         result["plain_decode_tok_s"] = statistics.median(plain)
         result["runs"]["plain_decode_tok_s"] = plain
     llm.close()
-    # Several streams: llama.cpp's own batched decode (a bare llama_decode loop, one sequence per stream), the most
-    # a server on llama.cpp's runtime can reach: aggregate_tok_s over the same work as the worker's (the prompts and
-    # every token), decode_aggregate_tok_s over the decode steps alone.
+    # Several streams: llama.cpp's own batched decode (a bare llama_decode loop, one sequence per stream, sampling as
+    # the spec says with llama.cpp's own samplers), the most a server on llama.cpp's runtime can reach:
+    # aggregate_tok_s over the same work as the worker's (the prompts and every token), decode_aggregate_tok_s over
+    # the decode steps alone.
     result["aggregate_tok_s"], result["decode_aggregate_tok_s"] = {}, {}
     for concurrency in spec["concurrency"]:
         prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
-        runs = [batched_decode(args.model, threads, prompts, spec["gen_tokens"]) for _ in range(spec["repeats"])]
-        for i, figure in enumerate(("aggregate_tok_s", "decode_aggregate_tok_s")):
-            result[figure][str(concurrency)] = statistics.median(run[i] for run in runs)
-            result["runs"][f"{figure}@{concurrency}"] = [run[i] for run in runs]
+        runs = [
+            batched_decode(args.model, threads, prompts, spec["gen_tokens"], spec["sampling"])
+            for _ in range(spec["repeats"])
+        ]
+        for figure, field in (("aggregate_tok_s", "aggregate_tok_s"), ("decode_aggregate_tok_s", "decode_tok_s")):
+            values = [getattr(run, field) for run in runs]
+            result[figure][str(concurrency)] = statistics.median(values)
+            result["runs"][f"{figure}@{concurrency}"] = values
     return result
 
 
