@@ -50,7 +50,7 @@ class BatchedDecode:
     """What `batched_decode` measured."""
 
     aggregate_tok_s: float  # over every token from the prompts' batch to the last step (what the worker's covers)
-    decode_tok_s: float  # over the decode steps alone
+    decode_aggregate_tok_s: float  # over the decode steps alone
     tokens: list[list[int]]  # each sequence's tokens
 
 

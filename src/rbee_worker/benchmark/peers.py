@@ -177,8 +177,8 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
             batched_decode(args.model, threads, prompts, spec["gen_tokens"], spec["sampling"])
             for _ in range(spec["repeats"])
         ]
-        for figure, field in (("aggregate_tok_s", "aggregate_tok_s"), ("decode_aggregate_tok_s", "decode_tok_s")):
-            values = [getattr(run, field) for run in runs]
+        for figure in ("aggregate_tok_s", "decode_aggregate_tok_s"):
+            values = [getattr(run, figure) for run in runs]
             result[figure][str(concurrency)] = statistics.median(values)
             result["runs"][f"{figure}@{concurrency}"] = values
     return result

@@ -53,8 +53,8 @@ _WEIGHT_ONE = 2.0**40  # the top token's weight
 # would slow a CPU's exp and the products after it many times over.
 _EXP_FLOOR = -64.0
 # candidate_draw's floors on the scaled logits, tried in turn until one covers the row's cut: the first holds a chat's
-# nucleus (top_p 0.9) in nearly every row, the second top_k 50 in most, the third nearly every token of nonzero weight
-# (counts on the demo model: bench/results/README.md, stop 25); the rows no floor covers are drawn by the radix select.
+# nucleus (top_p 0.9) in nearly every row, the second top_k 50 in most, the third nearly every token of nonzero weight;
+# the rows no floor covers are drawn by the radix select.
 _CANDIDATE_FLOORS = (-8.0, -16.0, -24.0)
 _IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
 _FLOAT32 = torch.finfo(torch.float32)
