@@ -228,6 +228,11 @@ def assert_launched_ahead_as_waiting(waiting, ahead, prompts: Sequence[str]) -> 
     assert any(any(rows) for rows in chained)
 
 
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether compile_model compiled `model` (the whole model or its decoder layers)."""
+    return any(m._compiled_call_impl is not None for m in (model, *model.get_decoder().layers))
+
+
 def penalty_state(vocab: int, generator: torch.Generator) -> tuple["SamplerState", torch.Tensor]:
     """A SamplerState of five slots, one per kind of penalty (repetition above and below 1, presence and frequency of
     both signs, none), each with 300 random prompt ids and about 1% of the vocabulary generated up to twice; and

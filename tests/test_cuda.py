@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_launched_ahead_as_waiting, greedy, make_tiny_model, submit_together
+from conftest import assert_launched_ahead_as_waiting, greedy, is_compiled, make_tiny_model, submit_together
 
 from rbee_worker.devices import Placement
-from rbee_worker.engine.compiled import is_compiled
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.kv_cache import decode_mask

@@ -20,8 +20,8 @@ def bind(host: str, port: int) -> socket.socket:
     """Bind before loading anything, so a taken port fails at once rather than after a long model load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not the default 0: accepted connections inherit it, and asyncio sets TCP_NODELAY only on sockets
-    # whose proto says TCP. Without it Nagle's algorithm held each SSE chunk that followed another small write until
-    # the client's delayed ACK came back: measured, a first token reached the client ~20 ms after the engine sent it.
+    # whose proto says TCP. Without it Nagle's algorithm holds each SSE chunk that follows another small write until
+    # the client's delayed ACK comes back, which delays the streamed tokens (bench/results/README.md).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

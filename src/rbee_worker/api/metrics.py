@@ -12,7 +12,7 @@ from rbee_worker.api.native_schema import UNAUTHORIZED
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.types import End, Error, Request
 
-# Buckets in seconds: from a small model's CPU decode step (~10 ms) to long generations on big models.
+# Buckets in seconds: from a small model's decode step to long generations on big models.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 2.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0)

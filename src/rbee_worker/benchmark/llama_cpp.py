@@ -3,9 +3,9 @@
 On CPUs with AMX (Intel Xeon since Sapphire Rapids), llama.cpp repacks the quantized matrices into its AMX buffers at
 load. There, with llama-cpp-python 0.3.36, every batch of more than one token crashes the process (SIGSEGV in
 llama_decode; llama.cpp issue 20824 reports the same crash in `ggml_backend_amx_mul_mat`), while one-token batches run,
-twice as fast as from ggml's plain CPU buffers (the demo model on 2 cores of such a machine: about 190 against 94
-tok/s). `plain_buffers=True` is llama.cpp's `--no-repack`: every matrix stays in ggml's plain CPU buffers, where
-batches of any size run. Elsewhere both load the same buffers.
+much faster than from ggml's plain CPU buffers (bench/results/README.md). `plain_buffers=True` is llama.cpp's
+`--no-repack`: every matrix stays in ggml's plain CPU buffers, where batches of any size run. Elsewhere both load the
+same buffers.
 
 `batched_decode` is llama.cpp's batched decode of several sequences, the figure the worker's llama.cpp runtime is
 held against at each concurrency.

@@ -86,8 +86,8 @@ def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict
         sync(device)
         return time.perf_counter() - started
 
-    # Warm-up as long as a measured run (and compilation, for the static cache): a short one left the first
-    # measured run of an 8B model on a GPU at a third of the speed of the next.
+    # Warm-up as long as a measured run (and compilation, for the static cache): after a shorter one the first
+    # measured run of a large model on a GPU is much slower than the next (bench/results/README.md).
     generate(spec["short_prompt"], spec["gen_tokens"])
     bare_forward()
     decode = [generate(spec["short_prompt"], spec["gen_tokens"])[1] for _ in range(spec["repeats"])]

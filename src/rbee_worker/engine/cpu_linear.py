@@ -1,10 +1,10 @@
 """Linear layers on the CPU with their weights reordered once into oneDNN's blocked layout.
 
-A CPU decode step is almost all one-row matrix products (78% of a bf16 step of the demo model in aten::mm). aten's
-F.linear hands oneDNN the plain row-major weight on every call, and oneDNN reorders it each time; reordered once at
-load, the same products run 1.3x to 2.5x faster (bench/cpu_linear.py). This is what inductor's weight freezing and
-IPEX do, without compiling: each nn.Linear of the model is swapped for a PackedLinear after loading, so transformers'
-own model classes run unchanged around it.
+A CPU decode step is mostly one-row matrix products (aten::mm). aten's F.linear hands oneDNN the plain row-major
+weight on every call, and oneDNN reorders it each time; reordered once at load, the same products run faster
+(bench/cpu_linear.py; bench/results/README.md). This is what inductor's weight freezing and IPEX do, without
+compiling: each nn.Linear of the model is swapped for a PackedLinear after loading, so transformers' own model
+classes run unchanged around it.
 
 Only the dtypes that oneDNN computes on this CPU are packed (cpu_features.onednn_runs): float32 everywhere, bfloat16
 where the CPU has AVX-512 BW/VL/DQ or AVX-NE-CONVERT (torch refuses to reorder bfloat16 weights elsewhere). fp16 is

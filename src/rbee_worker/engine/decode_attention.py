@@ -1,13 +1,12 @@
 """Attention of a decode step on CUDA (one query token per row) as a split-KV Triton kernel ("flash decoding").
 
 Why: one decode step of one sequence is little work, rows x key/value heads wide (8 for a Llama-3.1-8B shape), on a
-GPU with 132 multiprocessors (H200). SDPA (cuDNN's kernel there) took 16.7 us per layer over 601 cached positions,
-0.53 ms of a 5.1 ms step; this kernel's two launches take 6 us (profiled on the H200). Here the span is also
-split into chunks, each a thread block, and a second small kernel merges the chunks' partial results by their
-log-sum-exp. The query heads that share a key/value head are one block's rows (GQA), so each key and value is read
-once. A block of positions that the mask hides entirely (the padding of the span bucket beyond every row's length)
-is skipped without reading its keys and values, so the work follows the sequences' lengths rather than the bucket's:
-the 8B step replayed in 4.92 / 4.95 / 4.97 ms at spans 128 / 1024 / 2048, against 5.04 / 5.60 / 6.22 with SDPA.
+GPU with many multiprocessors (132 on an H200), and SDPA's kernel (cuDNN's there) takes several times as long for
+it as this one (bench/results/README.md). Here the span is also split into chunks, each a thread block, and a second
+small kernel merges the chunks' partial results by their log-sum-exp. The query heads that share a key/value head are
+one block's rows (GQA), so each key and value is read once. A block of positions that the mask hides entirely (the
+padding of the span bucket beyond every row's length) is skipped without reading its keys and values, so the work
+follows the sequences' lengths rather than the bucket's: a step's time barely grows with the span bucket.
 
 The mask is the engine's additive one ([rows, 1, 1, span]: 0 where visible, the dtype's minimum elsewhere).
 """

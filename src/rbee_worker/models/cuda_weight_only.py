@@ -1,8 +1,8 @@
 """Weight-only int8 and int4 matrix products on CUDA as Triton kernels (the activations stay bfloat16 / float16).
 
-int8, why our own: on an H200, the products of one Llama-3.1-8B decode step (32 layers and the LM head, as a CUDA graph)
-took 4.65 / 4.68 / 4.91 ms at 1 / 8 / 64 rows in bfloat16 (cuBLAS) and 55 ms at one row with PyTorch's
-`_weight_int8pack_mm`; these kernels take 3.24 / 4.45 / 6.23 ms (bench/results/weight_only_kernels_NVIDIA_H200.json).
+int8, why our own: PyTorch's `_weight_int8pack_mm` is many times slower on CUDA than the bfloat16 product (cuBLAS),
+while these kernels, reading half its bytes, are faster than it at one row and about as fast at a few
+(bench/results/README.md).
 
 Layout: `codes` int8 [out, in] and one float32 scale per output row, w = code * scale. One row (a decode step of one
 sequence) runs a GEMV kernel that accumulates in float32 on CUDA cores; more rows convert a tile of codes to the
@@ -11,28 +11,19 @@ activations' dtype (exact: |code| <= 127) for the tensor cores (`tl.dot`).
 int4 (group 32, w = (q - 8) * scale + zero): K-major int32 words, `words[w, n]` holding the codes of inputs 8w .. 8w + 7
 of output n (code j in bits 4j .. 4j + 3), so a program reads whole rows of words as vectors along the outputs and a
 word's 8 codes are consecutive inputs; scales and zeros [in / 32, out, 2] bfloat16, one int32 per (group, output).
-- What limits these products is instruction issue, not memory. The first K-major GEMV compiled to 8.4 instructions per
-  weight (SASS, counted with the ptxas that Triton ships) and took 141 us for an int4 LM head of 328 MB, where the
-  memory would allow 76 us. So the kernels decode without int-to-float conversions: a code goes into a float32's
-  mantissa under 1.0's exponent (f = 1 + q / 16, or 1 + q / 256 one byte lower) by a shift and an and-or; 1.0 comes
-  in as a kernel argument, because with both constants immediate ptxas needs two logic instructions.
+- What limits these products is instruction issue, not memory: a GEMV that converts its codes with int-to-float
+  instructions stays well below the memory's bandwidth (bench/results/README.md). So the kernels decode without
+  int-to-float conversions: a code goes into a float32's mantissa under 1.0's exponent (f = 1 + q / 16, or
+  1 + q / 256 one byte lower) by a shift and an and-or; 1.0 comes in as a kernel argument, because with both
+  constants immediate ptxas needs two logic instructions.
 - One row: a GEMV kernel with one shift per two codes, each program loading one word row of its groups at a time so
-  that the FMAs accumulate straight into per-group sums, and the zero points folded into sums of x: 4.5 instructions
-  per weight. Up to INT4_DOT_ROWS rows: a `tl.dot` kernel decoding a tile the same way. Both split the inputs across
-  programs (split-K); the partial sums go to a float32 workspace and the last program of an output tile to arrive
-  (an atomic counter per tile, reset by that program) adds them up in a fixed order, so results do not depend on
-  timing. Beyond INT4_DOT_ROWS: the weights dequantized for cuBLAS.
-- Products of an 8B decode step on an H200 (q/k/v and gate/up merged, the LM head in int4 too, one CUDA graph;
-  bench/results/weight_only_kernels_NVIDIA_H200_merged.json): 2.21 ms at one row, where PyTorch's tinygemm
-  (`_weight_int4pack_mm`, what ran here before) takes 2.89 and bfloat16 3.99; 3.5 to 3.6 ms from 2 to 16 rows
-  (tinygemm 2.9 / 3.6 / 5.7 / 9.0 at 2 / 4 / 8 / 16); 4.9 / 5.4 / 8.9 ms at 32 / 64 / 128 (before: tinygemm's
-  weights dequantized for cuBLAS, 12.4 / 12.5 / 12.9). Dequantizing the step's weights takes 5.9 ms (8.4 before).
-  Then the last program's sum of the partials unrolled (_finish_split) and the GEMV's 32 x 16 tile: at one row, with
-  the LM head in bfloat16, 2.17 ms against 2.37 in the same run (bench/results/stop16/int4_gemv_variants_*.json).
-- Dropped on the way (the same step at one row, against tinygemm's 2.8 ms): GEMVs on byte layouts and on row-major
-  int32 words, 3.5 to 5.2 ms; on K-major words with int-to-float conversions, 2.75 ms, and as a pipelined loop, or
-  with each program's tile stored contiguously, no faster; `tl.dot` kernels reading tinygemm's blocks, 66 to 96 ms;
-  a `tl.dot` kernel decoding to bfloat16 through int16 bits, 7.2 ms at every row count.
+  that the FMAs accumulate straight into per-group sums, and the zero points folded into sums of x, which about
+  halves the instructions per weight (bench/results/README.md). Up to INT4_DOT_ROWS rows: a `tl.dot` kernel decoding
+  a tile the same way. Both split the inputs across programs (split-K); the partial sums go to a float32 workspace
+  and the last program of an output tile to arrive (an atomic counter per tile, reset by that program) adds them up
+  in a fixed order, so results do not depend on timing. Beyond INT4_DOT_ROWS: the weights dequantized for cuBLAS.
+- How the products of an 8B decode step compare with PyTorch's tinygemm (`_weight_int4pack_mm`) and with bfloat16 at
+  each row count, and the layouts and kernels that lost to these: bench/results/README.md.
 """
 
 import functools
@@ -42,12 +33,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# The int4 tl.dot kernel up to this many rows, the weights dequantized for cuBLAS beyond: the products of an 8B decode
-# step on an H200 took 8.9 against 10.8 ms at 128 rows, 33.7 against 17.1 at 512 (bench/weight_only_kernels.py).
+# The int4 tl.dot kernel up to this many rows, the weights dequantized for cuBLAS beyond, where that is the faster of
+# the two (bench/weight_only_kernels.py; bench/results/README.md).
 INT4_DOT_ROWS = 128
-# The int4 GEMV's tile, BLOCK_N outputs x GROUPS groups of 32 inputs with 2 warps: of 7 tiles (32 to 128 outputs, 4 to
-# 16 groups) the fastest for the products of the 8B step on an H200, 2.17 ms against 2.21 to 2.61 (64 x 8, the
-# fastest of 12 when each last program summed the partials in a loop, was next).
+# The int4 GEMV's tile, BLOCK_N outputs x GROUPS groups of 32 inputs with 2 warps: the fastest of those compared for
+# the products of an 8B decode step (bench/results/README.md).
 GEMV_BLOCK_N, GEMV_GROUPS = 32, 16
 FLOAT_ONE = 0x3F800000  # the bits of float32 1.0
 
@@ -165,8 +155,8 @@ def _weight_tile(words, pairs, one, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
 def _finish_split(acc, part_ptr, count_ptr, y_ptr, tile, offsets, mask, TILE: tl.constexpr, SPLITS: tl.constexpr):
     """Add this program's partial `acc` (float32, TILE elements at `offsets` of y) into y: the last of the output
     tile's SPLITS programs (tl.num_programs(2)) to arrive adds every partial up in order and stores y. The sum is
-    unrolled so that all the partials' loads are in flight at once: as a loop over a runtime count, each load waited
-    for the one before, one L2 round trip per split on the kernel's critical path."""
+    unrolled so that all the partials' loads are in flight at once: as a loop over a runtime count, each load would
+    wait for the one before, one L2 round trip per split on the kernel's critical path."""
     if SPLITS == 1:
         tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -231,8 +221,8 @@ def _int4_gemv(
 
 
 def _int4_dot_configs() -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): the tiles that autotuning over 48 (16 to 64 x 32 to 128 x 64 to 128,
-    1 to 8 splits) chose for some shape of the 8B step at 1 to 512 rows on an H200, and their neighbours."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): the tiles that a wider autotuning chose for some shape of an 8B decode
+    step at 1 to 512 rows, and their neighbours (bench/results/README.md)."""
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, num_warps=4, num_stages=3)
         for m, n, k, s in (

@@ -205,13 +205,13 @@ INT8_TYPES = frozenset({_T.Q8_0, _T.Q5_K, _T.Q6_K})
 INT8_GROUP = 32
 
 # The dtype PyTorch's CPU int4 and int8 weight-only kernels compute in, whatever the model's: their scales have it, and
-# the activations are cast to it for the call. It is the only fast one on every instruction set measured (AVX2 and
-# AVX-512, with or without BF16: float32 and float16 activations take a scalar path, 30 to 100 times slower).
+# the activations are cast to it for the call. It is the only fast one on x86 with AVX2 or AVX-512, with or without
+# BF16: float32 and float16 activations take a scalar path, many times slower (bench/results/README.md).
 KERNEL_DTYPE = torch.bfloat16
 
 # From this many activation rows (a long prompt), PyTorch's CPU int4 and int8 weight-only kernels are slower than
 # oneDNN's product (AMX where the CPU has it) on the matrix dequantized for the call: Int4Linear and Int8Linear
-# then dequantize (their docstrings give the measurements).
+# then dequantize (bench/results/README.md).
 CPU_DEQUANTIZE_ROWS = 256
 
 
@@ -244,11 +244,8 @@ def int8_rows(
     layout of int8 weight-only kernels.
 
     The file's scales are per block (Q8_0: 32 weights, K-quants: 16 or 32 under one of 256), so the exactly dequantized
-    row is quantized again. Measured with bfloat16 scales, relative to the row's largest weight: the demo file's Q8_0
-    embedding (49152 x 576): largest error 0.396%, mean 0.188%, 98% of the weights changed; its rows' scale is 1.8
-    times their mean Q8_0 block scale, so the added error is about twice Q8_0's own. Constructed Q5_K and Q6_K blocks
-    (random codes, d and dmin 1e-4 to 0.05): largest 0.396% and 0.397%, mean 0.196% and 0.194%, far below their own
-    steps (a 5- or 6-bit code's).
+    row is quantized again: each weight moves by at most 1/254 of the row's largest (int8_per_row), about twice Q8_0's
+    own error on the demo file's embedding and far below the step of a Q5_K or Q6_K code (bench/results/README.md).
     """
     if ggml_type not in INT8_TYPES:
         raise ValueError(f"{type_name(ggml_type)} is not an 8-bit type")

@@ -1,6 +1,6 @@
 """A fast GGUF reader: header, metadata and tensor table parsed straight out of an mmap of the file.
 
-`gguf.GGUFReader` builds a numpy view per metadata item (seconds for a 49k-token vocabulary); here scalars go
+`gguf.GGUFReader` builds a numpy view per metadata item (slow for a large vocabulary); here scalars go
 through `struct`, numeric arrays through one `numpy.frombuffer` each and strings through a tight loop, and tensor
 data stays in the mmap until `load` dequantizes it.
 

@@ -1,6 +1,6 @@
 """Load a GGUF file into a transformers model: config, dequantized weights, tokenizer and chat template.
 
-transformers can load GGUF itself (`from_pretrained(..., gguf_file=...)`) but takes about 25 s for the demo model,
+transformers can load GGUF itself (`from_pretrained(..., gguf_file=...)`) but slowly (bench/results/README.md),
 mostly in gguf-py's reader and numpy dequantization; here the header is parsed directly, weights are dequantized with
 torch on the target device, and the model is assembled from a state dict without a second copy.
 """
@@ -288,10 +288,10 @@ def keep_quantized(
 
     A tied Q8_0 / Q5_K / Q6_K embedding and head share one int8 matrix with per-row scales: the head needs that
     layout for its kernel, and a second, exact copy for the embedding (Q8_0's per-32 scales) would cost the whole
-    matrix again (demo model: 30 MB more, 1.27x the file instead of 0.96x) to spare its rows an error of at most 1/254
-    of their largest weight (measured on the demo: KL divergence from the float32 model 0.0026 shared, 0.0022 with
-    the exact copy; most of it is the head's requantization, which both carry). A tied int4 head has no such choice:
-    the int4 kernel's packed layout cannot be gathered from, so its embedding keeps the codes a second time.
+    matrix again to spare its rows an error of at most 1/254 of their largest weight, which changes the model's
+    output little next to the head's requantization that both carry (bench/results/README.md). A tied int4 head has
+    no such choice: the int4 kernel's packed layout cannot be gathered from, so its embedding keeps the codes a second
+    time.
     """
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()

@@ -4,17 +4,14 @@ torchao's Int4 CPU layout uses) and our Triton kernels on CUDA (models/cuda_weig
 
 Both dequantize w = (q - 8) * scale + zero per group of 32 inputs on the fly, so a decode step reads half a byte per
 weight instead of two. The CPU kernel's scales and zeros must have the activations' dtype, and only bfloat16 runs fast
-there (measured here: an MLP matrix of the demo model takes 72 us in bfloat16, 3 ms in float32, 7.8 ms in float16);
-the CUDA kernels keep them in bfloat16 too. The GGUF scales and zeros (float16, or Q4_K's float32 products of its two
-levels of scales) are therefore rounded to bfloat16 once, a relative change of at most 2^-9 each. The codes themselves
-are the file's.
+there (float32 and float16 many times slower: bench/results/README.md); the CUDA kernels keep them in bfloat16 too.
+The GGUF scales and zeros (float16, or Q4_K's float32 products of its two levels of scales) are therefore rounded to
+bfloat16 once, a relative change of at most 2^-9 each. The codes themselves are the file's.
 
 Many rows at once (a long prompt) run faster another way on the CPU: PyTorch's int4 kernel multiplies without AMX or
 any blocking over the rows, so from dequant.CPU_DEQUANTIZE_ROWS rows the matrix is dequantized to bfloat16 (in
 float32, then rounded once per weight, as the CUDA path does above its own threshold) for oneDNN's product, which uses
-AMX where the CPU has it. Measured on 2 cores of a Xeon with AMX, eager: 576 x 3072 at 512 rows 10.8 ms by the int4
-kernel, 3.8 ms dequantized (2.8 of them dequantizing, 1.7 since the nibbles are written straight to their places);
-1536 x 576 5.5 against 1.8 ms; at 128 rows both ways were even.
+AMX where the CPU has it; dequantizing writes the nibbles straight to their places (bench/results/README.md).
 """
 
 import functools

@@ -3,15 +3,12 @@ weight-only kernel (`aten._weight_int8pack_mm`, per-output-channel scales), and 
 row by row from their codes.
 
 The kernel dequantizes w = q * scale[row] on the fly, so a decode step reads one byte per weight instead of two. Its
-scales must have the activations' dtype, and only bfloat16 runs fast. Measured on the 2-core development machine
-(AVX-512 BF16), one row through an MLP matrix of the demo model (1536 x 576): 27 us in bfloat16 against 62 us for
-the bfloat16 F.linear (37 us oneDNN-packed), 370 us in float32, 460 us in float16; through its LM head (49152 x 576):
-1.6 to 1.9 ms against 3.4 ms (2.0 ms packed). The kernel's time grows with the rows, like the int4 kernel's: at 16
-rows the LM head takes 11 ms against 3.4 ms packed bfloat16, at 512 rows 400 ms against 80 ms, so it suits decoding
-a few streams (the engine computes prompt logits at the last position only). From dequant.CPU_DEQUANTIZE_ROWS rows
-(a long prompt) a layer therefore multiplies its matrix dequantized to bfloat16 (q * scale in float32, rounded once)
-with oneDNN: on 2 cores of a Xeon with AMX, 576 x 3072 at 256 rows 5.9 ms by the kernel, 1.2 ms dequantized; at 512
-rows 12.3 against 1.7 ms.
+scales must have the activations' dtype, and only bfloat16 runs fast: at one row it beats the bfloat16 F.linear,
+oneDNN-packed or not, and float32 and float16 activations run it several times slower (bench/results/README.md). The
+kernel's time grows with the rows, like the int4 kernel's, faster than the packed bfloat16 product's, so it suits
+decoding a few streams (the engine computes prompt logits at the last position only). From
+dequant.CPU_DEQUANTIZE_ROWS rows (a long prompt) a layer therefore multiplies its matrix dequantized to bfloat16
+(q * scale in float32, rounded once) with oneDNN, which is faster there.
 
 An embedding needs no kernel: a lookup gathers the rows' codes and scales and multiplies them out, so it can keep the
 file's own blocks (Q8_0's per-32 scales exactly) instead of a per-row requantization.

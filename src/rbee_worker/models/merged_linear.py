@@ -1,7 +1,7 @@
 """Projections that read the same input, computed as one matrix product: a layer's q/k/v and its MLP's gate/up (the
 merged layers vLLM loads). One product over the stacked matrix reads the same bytes as the separate ones in fewer,
-larger kernels: on an H200 the products of a Llama-3.1-8B decode step took 4.04 ms merged against 4.65 separate in
-bfloat16, 2.75 against 3.11 in int4, 2.77 against 3.21 in int8 (bench/weight_only_kernels.py --merged).
+larger kernels, which take less time in bfloat16, int4 and int8 alike (bench/weight_only_kernels.py --merged;
+bench/results/README.md).
 
 transformers' model classes stay as they are: each projection becomes a ProjectionSlice of one SharedProduct. The
 first slice called with an input computes the whole product, the others called with that same tensor (as the
@@ -21,7 +21,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class _Latest:
     """The latest input of a SharedProduct, its product, and how many readers have yet to take it. A plain object:
     these change 15 times per layer in every step, and nn.Module's __setattr__ looks each name up in its parameters,
-    buffers and submodules first (on the demo model's CPU decode: 450 calls a step, about 2% of its time)."""
+    buffers and submodules first, a visible share of a small model's CPU decode step (bench/results/README.md)."""
 
     __slots__ = ("input", "output", "unread")
 

@@ -3,17 +3,17 @@ layers become Int8Linear / Int4Linear, one matrix at a time, each float matrix f
 it (the float model is loaded whole first).
 
 int8: one scale per output row, absmax / 127 (symmetric, round to nearest): what torchao's Int8WeightOnlyConfig does,
-and the only layout of PyTorch's int8 CPU kernel. On the demo model it is the less accurate of the two (last logits 2.6
-to 3.7% of the largest off float32, int4 1.6 to 1.8%: tests/test_quantize.py): a row's one scale is set by its largest
-weight. int4: per group of 32 inputs, the range [min, max] in 16 steps (asymmetric: scale (max - min) / 15, code
-round((w - min) / scale)), the layout of GGUF's Q4_1 and the group size of Q4_0 / Q4_1.
+and the only layout of PyTorch's int8 CPU kernel. On the demo model it is the less accurate of the two
+(tests/test_quantize.py): a row's one scale is set by its largest weight. int4: per group of 32 inputs, the range
+[min, max] in 16 steps (asymmetric: scale (max - min) / 15, code round((w - min) / scale)), the layout of GGUF's Q4_1
+and the group size of Q4_0 / Q4_1.
 
 The token embedding stays in the model's dtype (a lookup reads one row a token). On CUDA an LM head of its own
 becomes int8 per row in both modes, as llama.cpp's 4-bit files keep it wider than their layers (Q6_K): it is read
-whole every step, and in bfloat16 it took 250 of the 3.2 ms of an 8B int4 decode step on an H200 (per kernel on an
-H100: 376 us bfloat16, 180 us int8); each weight moves by at most 1/254 of its row's largest. On the CPU it stays, as
-PyTorch's int8 kernel is compute-bound there: about as fast as the oneDNN-packed bfloat16 head at one row, 3x slower
-at 16 (int8_linear.py). A head tied to the embedding stays too: quantizing it would store the matrix a second time.
+whole every step, and in bfloat16 it is a large share of an int4 decode step, which int8 about halves
+(bench/results/README.md); each weight moves by at most 1/254 of its row's largest. On the CPU it stays, as
+PyTorch's int8 kernel is compute-bound there: about as fast as the oneDNN-packed bfloat16 head at one row, slower at
+a few rows (int8_linear.py). A head tied to the embedding stays too: quantizing it would store the matrix a second time.
 """
 
 import importlib.util
