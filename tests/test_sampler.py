@@ -30,9 +30,7 @@ from rbee_worker.engine.sampler import (
     SamplerState,
     check_seed,
     pack,
-    probabilities,
     sample,
-    uniform,
     unpack,
 )
 from rbee_worker.engine.sampling import SamplingParams
@@ -138,6 +136,12 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(observed, expected).pvalue)
 
 
+def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The uniform numbers the sampler draws with, from the seeds themselves (int64 tensors, seeds as two's
+    complement): sampler._draw_bits of the seeds' streams."""
+    return sampler._draw_bits(sampler._stream(seeds), counters)
+
+
 def splitmix64_uniform(seed: int, counter: int) -> int:
     """uniform()'s definition in Python integers: SplitMix64's output number counter + 1 from the state mix(seed)."""
     mask = 2**64 - 1
@@ -183,6 +187,19 @@ def generate(state: SamplerState, slot: int, ids: list[int]) -> None:
         logits[0, token] = 0.0
         out = step(logits, state, SamplerFeatures(sampling=True, penalties=True), slots=[slot])
         assert out.tokens.tolist() == [token]
+
+
+def probabilities(
+    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, features: SamplerFeatures
+) -> torch.Tensor:
+    """The distributions `sample` draws from, [rows, vocab] float32, by the sampler's own code: the kept weights over
+    their total; one-hot on the argmax for greedy rows; zeros for invalid rows. Reads the state only."""
+    x, top, best, valid = sampler._scores(logits, state, slots, features)
+    probs = torch.zeros(x.shape, device=x.device).scatter_(1, best[:, None], 1.0)
+    if features.sampling:
+        weights = sampler._kept_weights(x, top, state, slots, features).float()
+        probs = torch.where(state.greedy[slots][:, None], probs, weights / weights.sum(1, keepdim=True))
+    return torch.where(valid[:, None], probs, 0.0)
 
 
 def probs_of(logits: torch.Tensor, state: SamplerState, features: SamplerFeatures) -> torch.Tensor:

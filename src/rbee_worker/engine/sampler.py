@@ -20,7 +20,7 @@ A row, all on the device:
    numpy from candidate sets where the cut provably falls inside them (the same tokens, without passes over the
    whole row).
 4. Min-p: keep e >= min_p (e is the probability relative to the top token's).
-5. Draw: target = floor(u * total kept weight) for the row's uniform u = k / 2**53 (`uniform`), and the first token
+5. Draw: target = floor(u * total kept weight) for the row's uniform u = k / 2**53 (`_draw_bits`), and the first token
    in id order whose cumulative kept weight exceeds it: inverse CDF, found without a scan of the whole row
    (selection.search).
 """
@@ -130,7 +130,7 @@ class SamplerState:
         self.repetition = zeros(torch.float32)
         self.presence = zeros(torch.float32)
         self.frequency = zeros(torch.float32)
-        self.stream = zeros(torch.long)  # from the 64-bit seed: _stream(seed), see `uniform`
+        self.stream = zeros(torch.long)  # from the 64-bit seed: _stream(seed), see `_draw_bits`
         self.counter = zeros(torch.long)  # the slot's draws so far
         # Generated-token counts per (slot, token), plus _IN_PROMPT for the prompt's tokens (repetition penalty).
         self.counts = zeros(torch.int32, vocab_size)
@@ -284,19 +284,6 @@ def _draw_on_host(
     return out
 
 
-def probabilities(
-    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, features: SamplerFeatures
-) -> torch.Tensor:
-    """The distributions `sample` draws from, [rows, vocab] float32, by the same code (for tests): the kept weights
-    over their total; one-hot on the argmax for greedy rows; zeros for invalid rows. Reads the state only."""
-    x, top, best, valid = _scores(logits, state, slots, features)
-    probs = torch.zeros(x.shape, device=x.device).scatter_(1, best[:, None], 1.0)
-    if features.sampling:
-        weights = _kept_weights(x, top, state, slots, features).float()
-        probs = torch.where(state.greedy[slots][:, None], probs, weights / weights.sum(1, keepdim=True))
-    return torch.where(valid[:, None], probs, 0.0)
-
-
 def pack(out: SampleOutput) -> torch.Tensor:
     """The output as one float32 [rows, PACKED_WIDTH] tensor (token ids are exact in float32), for one copy to the
     host: token, valid, logprob, then (id, logprob) pairs, most likely first; zeros where not computed."""
@@ -320,23 +307,20 @@ def unpack(row: Sequence[float], logprobs: int | None) -> tuple[int, bool, float
     return token, valid, row[2], tuple((int(row[3 + 2 * i]), row[4 + 2 * i]) for i in range(logprobs))
 
 
-def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """The uniform number of each row's draw number `counter` (0, 1, ...) of its stream `seed` (int64 tensors, seeds
-    as two's complement), as an int64 k in [0, 2**53): the number is k / 2**53, kept an integer for the draw's exact
-    integer arithmetic (MPS has no float64). It is SplitMix64's output number counter + 1 from the state
-    mix(seed): mix(mix(seed) + (counter + 1) * GAMMA), top 53 bits. A function of (seed, counter) alone, so a
-    row's draws do not depend on the batch; every bit of the seed counts; mixing the seed first keeps the streams of
-    nearby seeds apart (SplitMix64's streams from seeds s and s + GAMMA would be one stream shifted by one)."""
-    return _draw_bits(_stream(seeds), counters)
-
-
 def _stream(seeds: torch.Tensor) -> torch.Tensor:
-    """mix(seed) + GAMMA, what `uniform` needs of a seed (SamplerState keeps it, not the seed)."""
+    """mix(seed) + GAMMA, what `_draw_bits` needs of a seed (int64 tensors, seeds as two's complement; SamplerState
+    keeps this, not the seed)."""
     return _mix(seeds) + _GAMMA
 
 
 def _draw_bits(streams: Int64s, counters: Int64s) -> Int64s:
-    """`uniform` of streams (`_stream`); int64 tensors or numpy arrays, whose arithmetic wraps alike."""
+    """The uniform number of each row's draw number `counter` (0, 1, ...) of its stream (`_stream` of its seed), as an
+    int64 k in [0, 2**53): the number is k / 2**53, kept an integer for the draw's exact integer arithmetic (MPS has no
+    float64). It is SplitMix64's output number counter + 1 from the state mix(seed): mix(mix(seed) + (counter + 1) *
+    GAMMA), top 53 bits. A function of (seed, counter) alone, so a row's draws do not depend on the batch; every bit
+    of the seed counts; mixing the seed first keeps the streams of nearby seeds apart (SplitMix64's streams from seeds
+    s and s + GAMMA would be one stream shifted by one). int64 tensors or numpy arrays, whose arithmetic wraps
+    alike."""
     return _shift_right(_mix(streams + counters * _GAMMA), 64 - FRACTION_BITS)
 
 
