@@ -188,10 +188,10 @@ def build_parser() -> Parser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the model through torch.compile, compiled before the worker reports ready: each decoder layer on "
-        "CUDA, inside the CUDA graphs (the default there, unless --no-cuda-graphs or --deterministic: 16 s more "
-        "start-up for an 8B model on an H200, which then decodes 1.23x faster with a shorter time to first token), "
-        "the whole model for decode steps on the CPU (off by default there: 20-25 s of start-up for the demo model "
-        "on 2 cores once inductor's cache is warm, longer the first time, which then decodes 1.6-1.7x faster)",
+        "CUDA, inside the CUDA graphs (the default there, unless --no-cuda-graphs or --deterministic: a longer "
+        "start-up, then faster decoding and a shorter time to first token), the whole model for decode steps on the "
+        "CPU (off by default there: a much longer start-up, longest while inductor's cache is cold, then faster "
+        "decoding); figures in bench/results/README.md",
     )
     jobs.add_argument(
         "--chat-template",
