@@ -85,12 +85,16 @@ class Worker:
         return self.process.returncode
 
 
-def launch(log_dir: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None) -> Worker:
+def launch(
+    log_dir: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None, fault: str | None = None
+) -> Worker:
+    """`rbee-worker serve` on the demo; `fault`: with that fault injected (see tests/fault_worker.py)."""
     port = port or free_port()
     stderr_path = log_dir / f"worker-{port}-{uuid.uuid4().hex[:6]}.stderr"
+    program = ["-m", "rbee_worker"] if fault is None else [str(Path(__file__).with_name("fault_worker.py")), fault]
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "rbee_worker", "serve", "--model", "demo", "--port", str(port), *flags],
+            [sys.executable, *program, "serve", "--model", "demo", "--port", str(port), *flags],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

@@ -14,7 +14,7 @@ from rbee_worker.devices import resolve_placement
 from rbee_worker.engine import cuda_graphs
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
-from rbee_worker.engine.runner import ModelRunner
+from rbee_worker.engine.torch_runner import TorchRunner
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
 from rbee_worker.models.gguf_format import read_gguf
@@ -359,7 +359,7 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engines made in the test run their decode steps through DecodeGraphs on the CPU (see ReplayedStep)."""
     caches = []
 
-    def prepare(runner: ModelRunner) -> None:
+    def prepare(runner: TorchRunner) -> None:
         if runner.config.cuda_graphs:
             caches.append(runner.cache)
             with torch.inference_mode():
@@ -370,7 +370,7 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
         return ReplayedStep(step, outputs, caches[-1]), outputs
 
     zeros = torch.zeros
-    monkeypatch.setattr(ModelRunner, "_prepare_forward", prepare)
+    monkeypatch.setattr(TorchRunner, "_prepare_forward", prepare)
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     monkeypatch.setattr(torch, "zeros", lambda *args, pin_memory=False, **kwargs: zeros(*args, **kwargs))
     monkeypatch.setattr(
@@ -380,7 +380,7 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_decode_steps_launched_ahead_chain_tokens_as_waiting_for_each(demo_gguf: Path, cpu_graphs: None) -> None:
-    """The bookkeeping of decode steps launched before the host reads the previous one (Steps._decode_ahead), run on
+    """The bookkeeping of decode steps launched before the host reads the previous one (Steps._decode), run on
     the CPU through DecodeGraphs (tests/test_cuda.py runs it on real CUDA graphs): every kind of request gets the tokens
     of an engine that waits for every step."""
     per_token = 2 * 30 * 3 * 64 * 4  # the demo model's float32 keys and values of one token, all layers

@@ -75,15 +75,15 @@ def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> No
     runner = engine._runner
     assert engine.loaded.info.weight_bytes == native.llama_model_size(runner.model.handle)
     assert 80_000_000 < engine.loaded.info.weight_bytes < 120_000_000  # the Q4_1 file's matrices as they are
-    cache = runner.cache
-    assert engine.kv_cache_bytes() == cache.slots * cache.slot_len * cache.bytes_per_token
+    kv = runner.kv
+    assert engine.kv_cache_bytes() == kv.slots * kv.tokens_per_slot * kv.bytes_per_token
     assert engine.memory_bytes() == engine.loaded.info.weight_bytes + engine.kv_cache_bytes()
     meta = read_gguf(demo_gguf).metadata
     head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
-    assert cache.bytes_per_token == meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 4
+    assert kv.bytes_per_token == meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 4
     _, end = greedy(engine, engine.tokenize(PROMPTS[0]), 20)  # in slot 0, kept there until the slot is taken again
     cells = end.prompt_tokens + end.tokens_out - 1
-    assert end.kv_cache_bytes == cells * cache.bytes_per_token
+    assert end.kv_cache_bytes == cells * kv.bytes_per_token
     state = native.llama_state_seq_get_size(runner._context, 0)
     assert end.kv_cache_bytes < state < end.kv_cache_bytes + 8 * cells + 4096
 

@@ -22,7 +22,14 @@ import httpx
 import pytest
 
 from rbee_worker import errors, pool
-from rbee_worker.pool import HeartbeatStatus, ReadyPayload, RegistrationError, heartbeat_loop, send_ready_callback
+from rbee_worker.pool import (
+    HeartbeatStatus,
+    ReadyPayload,
+    RegistrationError,
+    heartbeat_loop,
+    send_heartbeat,
+    send_ready_callback,
+)
 
 READY_PATH = "/v2/workers/ready"
 BEAT_PATH = "/v2/workers/heartbeat"
@@ -452,6 +459,15 @@ def test_heartbeat_survives_errors_hangs_and_outage(pool_manager, caplog) -> Non
 def test_heartbeat_status_must_be_known() -> None:
     with pytest.raises(ValueError, match="health_status"):
         HeartbeatStatus("worker-7", "ok", "idle")
+
+
+def test_a_beat_off_the_schedule_says_why_the_worker_is_unhealthy(pool_manager) -> None:
+    server = pool_manager([Reply(200), Reply(500)])
+    status = HeartbeatStatus("worker-7", "unhealthy", "error", "the device failed")
+    assert asyncio.run(send_heartbeat(server.url(BEAT_PATH), status)) is None
+    assert asyncio.run(send_heartbeat(server.url(BEAT_PATH), status)).startswith("HTTP 500")
+    body = server.requests[0].body
+    assert (body["health_status"], body["state"], body["message"]) == ("unhealthy", "error", "the device failed")
 
 
 def test_heartbeat_survives_a_failing_status_callback(pool_manager, caplog) -> None:

@@ -20,7 +20,14 @@ import httpx
 # One class for the whole worker: the CLI maps errors.RegistrationError to exit code 3.
 from rbee_worker.errors import RegistrationError
 
-__all__ = ["HeartbeatStatus", "ReadyPayload", "RegistrationError", "heartbeat_loop", "send_ready_callback"]
+__all__ = [
+    "HeartbeatStatus",
+    "ReadyPayload",
+    "RegistrationError",
+    "heartbeat_loop",
+    "send_heartbeat",
+    "send_ready_callback",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ JITTER = 0.1
 # How much of an error response body goes into a log line or error message.
 BODY_SNIPPET_CHARS = 200
 
-HEALTH_STATUSES = ("healthy", "degraded")
+HEALTH_STATUSES = ("healthy", "degraded", "unhealthy")
 
 
 @dataclass(frozen=True)
@@ -75,11 +82,12 @@ class ReadyPayload:
 @dataclass(frozen=True)
 class HeartbeatStatus:
     worker_id: str
-    health_status: str  # "healthy" | "degraded"
+    health_status: str  # "healthy" | "degraded" (no progress for a while) | "unhealthy" (the device failed: it stops)
     state: str  # the worker state as in /v1/ready: loading | idle | busy | draining | error
+    message: str | None = None  # why it is not healthy
 
     def __post_init__(self) -> None:
-        # The pool manager only knows these two; catching a typo here beats a pool manager silently ignoring beats.
+        # The pool manager only knows these; catching a typo here beats a pool manager silently ignoring beats.
         if self.health_status not in HEALTH_STATUSES:
             raise ValueError(f"health_status must be one of {HEALTH_STATUSES}, not {self.health_status!r}")
 
@@ -233,6 +241,13 @@ async def heartbeat_loop(
             await asyncio.sleep(max(0.0, next_beat - now))
 
 
+async def send_heartbeat(url: str, status: HeartbeatStatus, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> str | None:
+    """One beat now, off the schedule (the last one of a worker that stops unhealthy); None when the pool manager
+    accepted it, else what went wrong."""
+    async with _client_scope(None) as http:
+        return await _send_heartbeat(http, url, lambda: status, timeout_s)
+
+
 async def _send_heartbeat(
     http: httpx.AsyncClient, url: str, status: Callable[[], HeartbeatStatus], timeout_s: float
 ) -> str | None:
@@ -245,6 +260,8 @@ async def _send_heartbeat(
             "health_status": current.health_status,
             "state": current.state,
         }
+        if current.message is not None:
+            body["message"] = current.message
         async with asyncio.timeout(timeout_s):
             response = await http.post(url, json=body, timeout=timeout_s)
     except (httpx.TransportError, TimeoutError) as exc:

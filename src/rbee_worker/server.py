@@ -28,17 +28,19 @@ from rbee_worker.api.state import WorkerState
 from rbee_worker.config import WorkerConfig
 from rbee_worker.cpu_features import cpu_features
 from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.runner import DeviceFault
 from rbee_worker.errors import RegistrationError
 from rbee_worker.listener import advertised_url
 from rbee_worker.models.loader import load_model
 from rbee_worker.models.progress import LoadProgress
-from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_ready_callback
+from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_heartbeat, send_ready_callback
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 CANCELLED_STREAMS_GRACE_S = 5.0  # after a drain cancels what is left, how long its streams get to send the end
 SHUTDOWN_GRACE_S = 5.0  # then how long uvicorn waits for connections to close
+FAULT_STREAMS_GRACE_S = 3.0  # after a device fault, how long the failed requests' streams get to send their error
 
 
 def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> FastAPI:
@@ -206,12 +208,28 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
                 server.should_exit = True
                 return
         if config.heartbeat_url:
+            await heartbeat_loop(config.heartbeat_url, config.heartbeat_interval_s, heartbeat_status)
 
-            def status() -> HeartbeatStatus:
-                health = "degraded" if state.condition() == "unhealthy" else "healthy"  # draining shows in `state`
-                return HeartbeatStatus(worker_id, health, "draining" if state.draining else state.activity())
+    def heartbeat_status() -> HeartbeatStatus:
+        """unhealthy (the device failed: the worker stops), degraded (no progress for a while) or healthy; draining
+        shows in `state`."""
+        if engine.fault is not None:
+            return HeartbeatStatus(worker_id, "unhealthy", "error", state.unhealthy_reason())
+        if state.condition() == "unhealthy":
+            return HeartbeatStatus(worker_id, "degraded", state.activity(), state.unhealthy_reason())
+        return HeartbeatStatus(worker_id, "healthy", "draining" if state.draining else state.activity())
 
-            await heartbeat_loop(config.heartbeat_url, config.heartbeat_interval_s, status)
+    async def watch_for_fault() -> None:
+        """Once the device has failed (the engine has failed every request and stopped): report it to the pool
+        manager at once, give the failed requests' streams a moment to send their error, then stop the worker with
+        an error, so that the pool manager starts another."""
+        while engine.fault is None:
+            await asyncio.sleep(POLL_S)
+        if config.heartbeat_url and (error := await send_heartbeat(config.heartbeat_url, heartbeat_status())):
+            log.warning("the unhealthy heartbeat to %s failed: %s", config.heartbeat_url, error)
+        await until(lambda: not state.open_streams, FAULT_STREAMS_GRACE_S, None)
+        failures.insert(0, DeviceFault(f"the device failed: {engine.fault}"))
+        server.should_exit = True
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -219,13 +237,15 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             # Also before uvicorn installs its handlers (and after it restores the previous ones).
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: loop.call_soon_threadsafe(request_shutdown))
-        task = asyncio.create_task(lifecycle())
+        tasks = [asyncio.create_task(lifecycle()), asyncio.create_task(watch_for_fault())]
         try:
             await server.serve(sockets=[sock])
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     server = _Server(server_config, on_signal=lambda: asyncio.get_running_loop().call_soon_threadsafe(request_shutdown))
     try:

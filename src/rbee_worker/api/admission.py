@@ -31,6 +31,10 @@ class Loading(AdmissionError):
     """The model is still loading; the client should retry shortly."""
 
 
+class Unhealthy(AdmissionError):
+    """The worker's device failed: the worker stops and takes no new work."""
+
+
 class DuplicateJob(AdmissionError):
     """A job with this id is running, or waits for its stream to be read."""
 
@@ -51,7 +55,10 @@ class AllSlotsBusy(AdmissionError):
 
 
 def ensure_open(state: WorkerState) -> None:
-    """Raise Draining or Loading unless the worker takes requests (the engine is loaded: it can tokenize)."""
+    """Raise Unhealthy, Draining or Loading unless the worker takes requests (the engine is loaded: it can
+    tokenize)."""
+    if state.engine.fault is not None:
+        raise Unhealthy(state.engine.fault)
     if state.draining:
         raise Draining()
     if not state.engine.is_loaded:
@@ -62,7 +69,7 @@ def admit(state: WorkerState, build: Callable[[], EngineRequest]) -> Job:
     """Submit the request that `build` makes, once the worker takes requests; its events wait in the returned job.
 
     `build` runs only on a loaded engine and may raise its API's own errors (an invalid body, say), which pass
-    through. Raises Draining, Loading, DuplicateJob or AllSlotsBusy; a refused request leaves nothing behind.
+    through. Raises Unhealthy, Draining, Loading, DuplicateJob or AllSlotsBusy; a refused request leaves nothing behind.
     """
     ensure_open(state)
     request = build()

@@ -23,6 +23,7 @@ from rbee_worker.api.admission import (
     Draining,
     DuplicateJob,
     Loading,
+    Unhealthy,
     admit,
     rendering_route,
 )
@@ -103,10 +104,7 @@ def native_router(state: WorkerState) -> APIRouter:
             "cpu": cpu_features().describe(),
         }
         if condition == "unhealthy":
-            body["message"] = (
-                f"the engine has finished no step for {engine.seconds_without_progress():.1f} s with "
-                f"{engine.in_flight} job(s) in flight"
-            )
+            body["message"] = state.unhealthy_reason()
         return JSONResponse(body, status_code=200 if condition == "healthy" else 503)
 
     @router.get("/v1/ready", response_model=Ready, responses=UNAUTHORIZED)
@@ -242,6 +240,8 @@ def native_error(exc: AdmissionError | InvalidJob) -> JSONResponse:
         return JSONResponse({"error": error}, status_code=503, headers={"Retry-After": "1"})
     if isinstance(exc, Loading):
         return error_response(503, "LOADING", "the model is still loading; retry shortly", retry_after=1)
+    if isinstance(exc, Unhealthy):
+        return error_response(503, "UNHEALTHY", f"the worker's device failed and the worker stops: {exc}")
     assert isinstance(exc, Draining), exc
     return error_response(503, "DRAINING", "the worker is shutting down and takes no new jobs")
 

@@ -43,6 +43,8 @@ class WorkerState:
 
     def condition(self) -> str:
         """loading, draining, unhealthy or healthy: what /health, /v1/ready and the heartbeat report."""
+        if self.engine.fault is not None:
+            return "unhealthy"
         if not self.engine.is_loaded:
             return "draining" if self.draining else "loading"
         if self.draining:
@@ -50,6 +52,15 @@ class WorkerState:
         if self.engine.seconds_without_progress() > self.config.stall_timeout_s:
             return "unhealthy"
         return "healthy"
+
+    def unhealthy_reason(self) -> str:
+        """Why the worker is unhealthy: its device failed, or the engine makes no progress."""
+        if self.engine.fault is not None:
+            return f"the device failed and the worker stops: {self.engine.fault}"
+        return (
+            f"the engine has finished no step for {self.engine.seconds_without_progress():.1f} s with "
+            f"{self.engine.in_flight} job(s) in flight"
+        )
 
     def activity(self) -> str:
         """busy while the engine has a job in flight, idle otherwise."""

@@ -2,9 +2,13 @@
 
 Each round of the loop (the step loop of nano-vllm and vLLM v1): take new requests and cancellations from the inbox;
 the scheduler plans the round (engine/scheduler.py); the runner feeds its prompt chunks and its decode step to the
-model and samples on the device (engine/runner.py, engine/sampler.py); the scheduler takes the chosen tokens and ends
-what is done. At most `max_batch` requests run at once, at most `max_queue` wait: a request beyond both is refused at
-once (EngineBusy) rather than queued without end.
+model and samples on the device (engine/step.py through the Runner protocol of engine/runner.py); the output
+processor turns the chosen tokens into events and ends what is done (engine/output.py). At most `max_batch` requests
+run at once, at most `max_queue` wait: a request beyond both is refused at once (EngineBusy) rather than queued
+without end.
+
+A failure that leaves the device unusable (`DeviceFault`) fails every request in flight, sets `fault`, and ends the
+thread: the worker reports itself unhealthy and stops, so that the pool manager restarts it.
 """
 
 import asyncio
@@ -15,23 +19,20 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.mailbox import LoopMailbox
-from rbee_worker.engine.runner import ModelRunner
+from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
+from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
 from rbee_worker.engine.sampler import check_seed
 from rbee_worker.engine.sampling import random_seed
-from rbee_worker.engine.scheduler import EngineObserver, Scheduler, Sequence, Sink
+from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
 from rbee_worker.engine.step import Steps
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason
 from rbee_worker.models.loaded import LoadedModel
-
-if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
-    from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,15 @@ class EngineBusy(RuntimeError):
 
 
 class Engine:
-    """Runs `load` and then every forward pass on its own thread.
+    """Runs `load`, makes the model's runner (`runner`: engine/runner.py's make_runner, or another Runner), and then
+    every step on its own thread.
 
     The engine owns the model that `load` returns and may change it in place (on a CPU its linear layers are
     swapped for oneDNN-packed ones), so `load` must not hand over a model that is used elsewhere.
 
     Loading happens on the engine thread too because the thread that first runs torch's CPU kernels keeps them
-    fast: measured here, decoding on a thread other than the one that loaded the model ran at half the speed
-    (20 vs 44 tok/s, demo model, fp16, 2 cores), while loading and decoding on one thread matched the main thread.
+    fast: decoding on another thread than the one that loaded the model runs markedly slower on a CPU
+    (bench/results/README.md).
     """
 
     def __init__(
@@ -68,12 +70,13 @@ class Engine:
         load: Callable[[], LoadedModel],
         config: EngineConfig | None = None,
         observer: EngineObserver | None = None,
+        runner: Callable[[LoadedModel, EngineConfig], Runner] = make_runner,
     ) -> None:
         config = config or EngineConfig()
         self.config = config
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
         self._observer = observer
-        self._load = load
+        self._load, self._make_runner = load, runner
         self._loaded: LoadedModel | None = None
         self._token_texts: dict[int, str] = {}
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
@@ -83,9 +86,11 @@ class Engine:
         self._in_flight: set[str] = set()  # ids submitted and not yet ended: inbox, running and waiting requests
         self._in_flight_lock = threading.Lock()
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
-        self._runner: ModelRunner | LlamaCppRunner | None = None
+        self._runner: Runner | None = None
         self._scheduler: Scheduler | None = None
+        self._output: OutputProcessor | None = None
         self._steps: Steps | None = None
+        self._fault: str | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
         self._thread.start()
@@ -99,6 +104,11 @@ class Engine:
     def load_finished(self) -> bool:
         """True once loading has ended, loaded or failed (never blocks)."""
         return self._ready.is_set()
+
+    @property
+    def fault(self) -> str | None:
+        """Why the device is unusable, once a step found it so (the engine has stopped); None before."""
+        return self._fault
 
     @property
     def loaded(self) -> LoadedModel:
@@ -140,8 +150,7 @@ class Engine:
     @functools.cached_property
     def vocab_size(self) -> int:
         # Counted once: len() of a fast tokenizer asks the Rust tokenizer to count its vocabulary with the added
-        # tokens, which took 4 ms a call on the GPU hosts' tokenizers build (profiled there: most of a request's
-        # time before it reached the engine).
+        # tokens at every call, a cost that some tokenizers builds make a large part of a request's host time.
         return len(self.loaded.tokenizer)
 
     @property
@@ -150,7 +159,7 @@ class Engine:
         cache slots are shorter (see SlotCache sizing)."""
         self.loaded  # noqa: B018 -- waits for the load (and the cache) like every caller-side method
         assert self._runner is not None
-        return self._runner.cache.slot_len
+        return self._runner.kv.tokens_per_slot
 
     def validate(self, request: Request) -> None:
         """Raise RequestError for a request that cannot run on this model."""
@@ -181,14 +190,18 @@ class Engine:
         except (RequestError, ValueError) as exc:
             sink(Error(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
             return
-        sequence = Sequence(request, sink, seed, Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop))
+        output = Output(sink, Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop))
+        sequence = Sequence(request, seed, output)
         with self._in_flight_lock:
+            if self._fault is not None:
+                sink(Error(request.request_id, ErrorCode.INFERENCE_FAILED, self._fault_message()))
+                return
             if request.request_id in self._in_flight:
                 raise DuplicateRequest(f"request {request.request_id} is already running")
             if len(self._in_flight) >= self.max_batch + self.max_queue:
                 raise EngineBusy(self.max_batch, self.max_queue, len(self._in_flight))
             self._in_flight.add(request.request_id)
-        self._inbox.put(sequence)
+            self._inbox.put(sequence)  # under the lock: a fault that drains the inbox sees it there
 
     def stream(self, request: Request) -> Iterator[Event]:
         """Blocking iterator over a request's events; leaving it early cancels the request."""
@@ -253,12 +266,12 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, Sequence):
-                self._retired(item, Error(item.request_id, ErrorCode.CANCELLED, "the engine shut down"))
+                self._retire(item, Error(item.request_id, ErrorCode.CANCELLED, "the engine shut down"))
 
     @property
     def running_requests(self) -> int:
         """Requests holding one of the max_batch slots (the others in flight wait for one)."""
-        return min(len(self._scheduler.active), self.max_batch) if self._scheduler else 0
+        return len(self._scheduler.running) if self._scheduler else 0
 
     @property
     def in_flight(self) -> int:
@@ -278,55 +291,91 @@ class Engine:
         """The share of the KV cache's token positions that running requests hold; 0 before the model is loaded."""
         if self._runner is None or self._scheduler is None:
             return 0.0
-        cache = self._runner.cache
-        return self._scheduler.kv_positions() / (cache.slots * cache.slot_len)
+        kv = self._runner.kv
+        return self._scheduler.kv_positions() / (kv.slots * kv.tokens_per_slot)
 
     def memory_bytes(self) -> int:
-        """Measured device memory in use: the weights plus the KV cache (on a CPU under torch, the part of it touched
-        so far)."""
-        info = self.loaded.info
-        if info.device.type == "cuda":
-            return int(torch.cuda.memory_allocated(info.device))
-        return info.weight_bytes + self.kv_cache_bytes()
+        """Measured device memory in use: the weights plus the KV cache (the runner says how it measures them)."""
+        self.loaded  # noqa: B018 -- waits for the load
+        assert self._runner is not None
+        return self._runner.memory_bytes()
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of KV cache in memory: all of it on a GPU and on llama.cpp's runtime (allocated at start), on a CPU
-        under torch the part touched so far; 0 before the model is loaded."""
-        if self._runner is None:
-            return 0
-        cache = self._runner.cache
-        if self._runner.loaded.info.device.type == "cuda":
-            return cache.slots * cache.slot_len * cache.bytes_per_token
-        return cache.resident_bytes
+        """Bytes of KV cache in memory; 0 before the model is loaded."""
+        return self._runner.kv_bytes() if self._runner is not None else 0
 
     # -- the engine thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            self._runner = make_runner(self._load(), self.config)
+            self._runner = self._make_runner(self._load(), self.config)
+            self._scheduler = Scheduler(self.config, self._runner.capabilities.mixed_batches)
             info = self._runner.loaded.info
-            self._scheduler = Scheduler(
-                self.config, info.eos_token_ids, self._runner.cache.bytes_per_token, self._retired, self._observer
-            )
-            self._steps = Steps(self._scheduler, self._runner, self.config.deterministic)
+            bytes_per_token = self._runner.kv.bytes_per_token
+            self._output = OutputProcessor(info.eos_token_ids, bytes_per_token, self._retire, self._observer)
+            self._steps = Steps(self._scheduler, self._runner, self._output)
             self._loaded = self._runner.loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
             return
         finally:
             self._ready.set()
-        with torch.inference_mode():
-            while self._admit(block=not self._scheduler.active):
-                plan = self._scheduler.schedule()
-                for sequence in plan.started:
+        try:
+            with torch.inference_mode():
+                while self._admit(block=len(self._scheduler) == 0):
+                    self._round(self._scheduler.schedule())
+                    self._last_progress = time.monotonic()
+                self._steps.collect_pending()
+        except DeviceFault as fault:
+            self._stop(str(fault))
+            return
+        for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
+            self._output.end(sequence, StopReason.CANCELLED)
+        self._runner.close()
+
+    def _round(self, plan: Plan) -> None:
+        """One round of the plan. A failure outside the runner's steps (a bug on the host) ends the round's requests
+        with INTERNAL_ERROR; one that the runner finds has left the device unusable raises DeviceFault."""
+        try:
+            for sequence in plan.abandoned:
+                self._output.end(sequence, StopReason.CANCELLED)
+            for sequence in plan.started:
+                if not sequence.finished:
                     request = sequence.request
                     self._runner.assign(
                         sequence.slot, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
                     )
-                self._steps.run(plan)
-                self._last_progress = time.monotonic()
-            self._scheduler.cancel_all()
-            self._runner.close()
+            self._steps.run(plan)
+        except DeviceFault:
+            raise
+        except Exception as exc:
+            if reason := self._runner.fault(exc):
+                raise DeviceFault(reason) from exc
+            log.exception("internal error in an engine round")
+            for forward in plan.forwards:
+                for sequence in [c.sequence for c in forward.chunks] + forward.decode:
+                    if not sequence.finished:
+                        self._output.fail(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
+
+    def _stop(self, reason: str) -> None:
+        """The device is unusable: every request in flight (running, waiting, in the inbox) ends with an error, and
+        no new one is taken."""
+        log.error("the device is unusable; failing every request and stopping: %s", reason)
+        with self._in_flight_lock:
+            self._fault = reason
+        error = self._fault_message()
+        for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
+            self._output.fail(sequence, ErrorCode.INFERENCE_FAILED, error)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Sequence):
+                self._retire(item, Error(item.request_id, ErrorCode.INFERENCE_FAILED, error))
+
+    def _fault_message(self) -> str:
+        return f"the worker's device failed and the worker stops: {self._fault}"
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -343,26 +392,19 @@ class Engine:
             if isinstance(item, str):
                 # Ended here rather than at its next step: its KV slot is freed and its id can be reused at once.
                 if sequence := self._scheduler.get(item):
-                    self._scheduler.finish(sequence, StopReason.CANCELLED)
+                    self._output.end(sequence, StopReason.CANCELLED)
             else:
                 self._scheduler.add(item)
-                item.send(Started(item.request_id, len(item.request.prompt_ids), item.seed))
+                self._output.started(item)
 
-    def _retired(self, sequence: Sequence, terminal: End | Error) -> None:
-        """A request ended (the scheduler has freed its slot): its id may come again, its caller hears of it."""
+    def _retire(self, sequence: Sequence, terminal: End | Error) -> None:
+        """A request ended: the scheduler frees its slot, then its id may come again and its caller hears of it."""
+        if self._scheduler is not None:
+            self._scheduler.free(sequence)
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request_id)
         _log_finished(sequence.request, terminal)
-        sequence.send(terminal)
-
-
-def make_runner(loaded: LoadedModel, config: EngineConfig) -> "ModelRunner | LlamaCppRunner":
-    """The runner of the loaded model's runtime (models/loader.py chose it)."""
-    if loaded.info.runtime == "llama.cpp":
-        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
-
-        return LlamaCppRunner(loaded, config)
-    return ModelRunner(loaded, config)
+        send(sequence, terminal)
 
 
 def _log_finished(request: Request, terminal: End | Error) -> None:

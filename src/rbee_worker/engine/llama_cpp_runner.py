@@ -8,7 +8,7 @@ the last one only when the chunk ends the prompt) and decode rows (one token eac
 logits are read where llama.cpp wrote them, as one [rows, vocab] tensor without a copy, and sampled by the worker's
 own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly as on the torch runtime.
 
-No CUDA graphs and no launched-ahead steps: `graphs` is None, so Steps runs every step eagerly.
+Every step is computed before it returns: `launch` hands back a finished step and `chains` is always False.
 """
 
 import ctypes
@@ -20,9 +20,10 @@ import psutil
 import torch
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampler import SamplerFeatures
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.slots import DecodeRow, PromptRow, Sampled, SlotSampling, kv_budget, slot_tokens
+from rbee_worker.engine.slots import SlotSampling, kv_budget, slot_tokens
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.llama_cpp_model import LlamaCppModel
 from rbee_worker.models.loaded import LoadedModel
@@ -30,7 +31,7 @@ from rbee_worker.models.loaded import LoadedModel
 log = logging.getLogger(__name__)
 
 CPU = torch.device("cpu")
-# llama_decode's return codes other than 0 (llama.h).
+# llama_decode's return codes other than 0 (llama.h); a code below -1 is a fatal error of the context.
 DECODE_ERRORS = {
     1: "no room in the KV cache for the batch",
     2: "aborted",
@@ -38,21 +39,19 @@ DECODE_ERRORS = {
 }
 
 
-class LlamaCppCache:
-    """The KV cache's geometry as the engine reads it (the same attributes as kv_cache.SlotCache): llama.cpp allocates
-    and clears all of it when the context is created, so all of it is resident from the start."""
+class DecodeFailed(RuntimeError):
+    """llama_decode returned an error code."""
 
-    def __init__(self, slots: int, slot_len: int, bytes_per_token: int) -> None:
-        self.slots, self.slot_len, self.bytes_per_token = slots, slot_len, bytes_per_token
-        self.resident_bytes = slots * slot_len * bytes_per_token
+    def __init__(self, code: int) -> None:
+        super().__init__(f"llama_decode failed with {code}: {DECODE_ERRORS.get(code, 'a fatal error')}")
+        self.code = code
 
 
 class LlamaCppRunner:
     """Runs a LoadedModel of the llama.cpp runtime: the context, the batch, and each slot's sampling state. Lives on
     the engine thread; `close` frees what llama.cpp holds."""
 
-    graphs = None  # no CUDA graphs: Steps never launches a step ahead
-    mixed_batches = True  # a round's prompt chunks and decode rows run as one batch (Steps.run)
+    capabilities = Capabilities(mixed_batches=True)  # a round's prompt chunks and decode rows go in one llama_batch
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         model: LlamaCppModel = loaded.model  # type: ignore[assignment]
@@ -64,7 +63,7 @@ class LlamaCppRunner:
             )
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else kv_budget(CPU)
         slot_len = slot_tokens(loaded.info.context_length, slots, model.kv_bytes_per_token, budget)
-        self.cache = LlamaCppCache(slots, slot_len, model.kv_bytes_per_token)
+        self.kv = KvGeometry(slots, slot_len, model.kv_bytes_per_token)
         self.threads = config.threads or psutil.cpu_count(logical=False) or 1
         self.capacity = config.prefill_chunk + slots  # the most tokens one step feeds: a round's chunks and decodes
         params = native.llama_context_default_params()
@@ -104,15 +103,30 @@ class LlamaCppRunner:
     def features(self, slots: Sequence[int]) -> SamplerFeatures:
         return self.sampling.features(slots)
 
-    # -- forwards ----------------------------------------------------------------------------------------------------
+    # -- steps -------------------------------------------------------------------------------------------------------
 
-    def prefill(self, rows: list[PromptRow]) -> list[Sampled]:
-        """One llama_decode over prompt chunks; the chosen tokens of the rows that sample, in order."""
-        return self.step(rows, [])
+    def chains(self, decodes: list[DecodeRow]) -> bool:
+        return False
 
-    def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
-        """One llama_decode of a token for each row; the rows' tokens in order."""
-        return self.step([], rows)
+    def launch(self, decodes: list[DecodeRow]) -> Launched:
+        return Finished(self.step([], decodes))
+
+    def collect(self, launched: Launched) -> list[Sampled]:
+        assert isinstance(launched, Finished)
+        return launched.sampled
+
+    def fault(self, error: BaseException) -> str | None:
+        """A fatal llama_decode error (a code below -1) leaves the context unusable."""
+        if isinstance(error, DecodeFailed) and error.code < -1:
+            return f"llama.cpp's context cannot decode: {error}"
+        return None
+
+    def kv_bytes(self) -> int:
+        """All of it: llama.cpp allocates and clears the whole cache when the context is created."""
+        return self.kv.slots * self.kv.tokens_per_slot * self.kv.bytes_per_token
+
+    def memory_bytes(self) -> int:
+        return self.loaded.info.weight_bytes + self.kv_bytes()
 
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         """One llama_decode over prompt chunks and decode rows together; the chosen tokens of the prompt rows that
@@ -135,7 +149,7 @@ class LlamaCppRunner:
         if n == 0:
             return []
         if (code := native.llama_decode(self._context, batch)) != 0:
-            raise RuntimeError(f"llama_decode failed with {code}: {DECODE_ERRORS.get(code, 'a fatal error')}")
+            raise DecodeFailed(code)
         if not slots:
             return []
         packed = self.sampling.sample(self._logits(len(slots)), slots, [True] * len(slots))

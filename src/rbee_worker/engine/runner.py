@@ -1,255 +1,134 @@
-"""The model runner: the model, its KV cache, its CUDA graphs, and the sampler's state; forwards in, chosen tokens out.
+"""The Runner protocol: what the step loop (engine/step.py) asks of whatever runs the model, and nothing more.
 
-It knows nothing of requests: the engine hands it rows (a slot, the tokens to feed, where they go) and gets back,
-for each row that samples, the chosen token, whether the logits were valid, and the log-probabilities asked for.
-Sampling runs on the device right after the forward (engine/sampler.py), inside the decode step's CUDA graph on a GPU,
-so only the chosen ids (and requested logprobs) cross to the host, once per step.
+A runner owns the model, its KV cache and each slot's sampling state. It takes rows (a slot, the tokens to feed,
+where they go) and gives back, for each row that samples, the chosen token: on the torch runtime
+(engine/torch_runner.py, CUDA graphs and compiled layers) and on llama.cpp's (engine/llama_cpp_runner.py). How a
+runner computes a step is its own affair; what differs between runners that the step loop must know is data:
+`Capabilities`, `KvGeometry`, and whether a launched step's tokens are ready (`Launched.ready`).
 """
 
-import contextlib
-import dataclasses
-import inspect
-import logging
-import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-import torch
-
-from rbee_worker.devices import tensor_bytes
-from rbee_worker.engine.attention import use_engine_attention
-from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
-from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
-from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
-from rbee_worker.engine.sampler import SamplerFeatures
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.slots import DecodeRow, PromptRow, Sampled, SlotSampling, kv_budget, slot_tokens
+from rbee_worker.engine.types import TokenLogprob
 from rbee_worker.models.loaded import LoadedModel
-from rbee_worker.models.merged_linear import merge_projections
-
-__all__ = ["DecodeRow", "ModelRunner", "PromptRow", "Sampled", "cache_kwarg"]
-
-log = logging.getLogger(__name__)
-
-GRAPH_WARM_SPAN = 2048  # decode graphs captured before ready: every batch bucket up to this attention span
-# The sampler stages that decode graphs are captured with before ready: greedy rows, and sampled ones (their graph
-# runs every sampled stage: cuda_graphs.graph_features). Steps with logprobs are captured when they first come.
-WARM_FEATURES = [SamplerFeatures(), SamplerFeatures(filters=True)]
 
 
-class ModelRunner:
-    """Prepares a loaded model for serving (merged projections, oneDNN packing on a CPU, the engine's attention, the
-    KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine thread."""
+@dataclass(frozen=True)
+class PromptRow:
+    """Prompt tokens fed at positions start.. of a slot; `sample`: the chunk ends the prompt, so a token follows."""
 
-    mixed_batches = False  # prompt chunks and decode rows run as separate forwards (rows of one are padded alike)
+    slot: int
+    token_ids: Sequence[int]
+    start: int
+    sample: bool
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.config = config
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
-        merge_projections(loaded.model)
-        if not config.compile_model:  # inductor packs the weights of what it compiles itself
-            loaded = _pack_for_cpu(loaded)
-        use_engine_attention(loaded.model)
-        self.loaded = loaded
-        self.model = loaded.model
-        self.device = loaded.info.device
-        self.dtype = loaded.info.dtype
-        self.cache_kwarg = cache_kwarg(loaded.model)
-        self.cache = self._allocate_cache(loaded)
-        self.vocab_size = loaded.model.get_output_embeddings().out_features  # the logits' width
-        self.sampling = SlotSampling(config.max_batch, self.vocab_size, self.device)
-        self.state = self.sampling.state
-        self._compile = config.compile_model
-        # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
-        self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
-        self._prepare_forward()
 
-    # -- sampling state ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decode row: `token` fed at `position` of the slot; `chained`: take instead the token that the step launched
+    before this one chose for this row, on the device (only where `Runner.chains` allows it)."""
+
+    slot: int
+    token: int
+    position: int
+    chained: bool = False
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A row's outcome, on the host."""
+
+    token: int
+    valid: bool  # False: the logits gave no valid distribution (NaN, +inf, or every token masked)
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runner can do beyond one eager forward at a time, as the scheduler and the step loop plan with it."""
+
+    mixed_batches: bool  # prompt chunks and decode rows in one forward (else: a forward for each kind)
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """The KV cache as the scheduler and the engine account for it: `slots` requests at once, each up to
+    `tokens_per_slot` tokens (prompt and output), `bytes_per_token` each."""
+
+    slots: int
+    tokens_per_slot: int
+    bytes_per_token: int
+
+
+class Launched(Protocol):
+    """A decode step handed to the runner; `Runner.collect` gives its tokens."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether its tokens are on the host already (an eager step), so that collecting it does not wait."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A step computed before `launch` returned (every runner without asynchronous steps)."""
+
+    sampled: list[Sampled]
+    ready: bool = True
+
+
+class DeviceFault(RuntimeError):
+    """The device (or the runtime's context) is unusable: every later step would fail too. The worker stops."""
+
+
+class Runner(Protocol):
+    """Runs one model for the engine thread (every call comes from that thread)."""
+
+    loaded: LoadedModel
+    capabilities: Capabilities
+    kv: KvGeometry
 
     def assign(
         self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the slot: its sampling parameters, seed and penalty counts go to the device."""
-        self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
+        """A request takes the slot: what an earlier holder left goes; its sampling state comes."""
 
-    def features(self, slots: Sequence[int]) -> SamplerFeatures:
-        return self.sampling.features(slots)
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+        """One forward, computed before it returns (prompt chunks and decode rows together only where
+        `capabilities.mixed_batches`); the tokens of the prompt rows that sample, then of the decode rows, in order."""
 
-    # -- forwards --------------------------------------------------------------------------------------------------
+    def chains(self, decodes: list[DecodeRow]) -> bool:
+        """Whether a decode step over these rows may be launched while the step launched before it is not collected
+        yet, its `chained` rows reading that step's tokens on the device. False: collect the earlier step first."""
 
-    def prefill(self, rows: list[PromptRow]) -> list[Sampled]:
-        """One forward over prompt chunks, a batch row each; the chosen tokens of the rows that sample, in order."""
-        logits = self._prompt_forward(rows)
-        picked = [i for i, row in enumerate(rows) if row.sample]
-        if not picked:
-            return []
-        slots = [rows[i].slot for i in picked]
-        packed = self.sampling.sample(logits[picked], slots, [True] * len(slots))
-        return [self.sampling.sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
+    def launch(self, decodes: list[DecodeRow]) -> Launched:
+        """Start a decode step over these rows (computed at once by a runner without asynchronous steps)."""
 
-    def decode(self, rows: list[DecodeRow]) -> list[Sampled]:
-        """One eager decode step over the cache rows from the lowest to the highest slot of `rows` (rows in between
-        that are not theirs compute a throwaway token into the scratch position); the rows' tokens in order."""
-        first = min(r.slot for r in rows)
-        count = max(r.slot for r in rows) + 1 - first
-        tokens, positions, lengths = [0] * count, [self.cache.slot_len] * count, [0] * count
-        for r in rows:
-            row = r.slot - first
-            tokens[row], positions[row], lengths[row] = r.token, r.position, r.position + 1
-        logits = self._decode_step(tokens, positions, lengths, first)
-        live = [length > 0 for length in lengths]
-        packed = self.sampling.sample(logits, list(range(first, first + count)), live)
-        return [self.sampling.sampled(packed[r.slot - first], r.slot) for r in rows]
+    def collect(self, launched: Launched) -> list[Sampled]:
+        """The launched step's tokens, in the order of its rows (waits for the device where needed)."""
 
-    def launch(self, rows: list[DecodeRow]) -> LaunchedStep:
-        """A decode step as a CUDA graph over cache rows 0.. (the highest slot), not waited for (see DecodeGraphs)."""
-        count = max(r.slot for r in rows) + 1
-        tokens, positions, lengths, chained = [0] * count, [self.cache.slot_len] * count, [0] * count, [False] * count
-        for r in rows:
-            tokens[r.slot], positions[r.slot], lengths[r.slot], chained[r.slot] = (
-                r.token, r.position, r.position + 1, r.chained
-            )  # fmt: skip
-        return self.graphs.launch(tokens, positions, lengths, chained, self.features([r.slot for r in rows]))
+    def fault(self, error: BaseException) -> str | None:
+        """After a step raised `error`: why the device is unusable from now on, or None when only that step failed."""
 
-    def collect(self, step: LaunchedStep, rows: list[DecodeRow]) -> list[Sampled]:
-        """Wait for a launched step; its rows' tokens in order."""
-        packed = step.result()
-        return [self.sampling.sampled(packed[r.slot], r.slot) for r in rows]
+    def kv_bytes(self) -> int:
+        """Bytes of KV cache in memory now."""
 
-    def _prompt_forward(self, rows: list[PromptRow]) -> torch.Tensor:
-        """Row b feeds rows[b].token_ids at positions rows[b].start.. of its slot; rows are left-padded to the
-        longest (padding writes the scratch position), so the logits returned, one row each, follow each row's last
-        token."""
-        width = max(len(r.token_ids) for r in rows)
-        if self.prefill_graphs and len(rows) == 1 and rows[0].start == 0 and self.prefill_graphs.fits(width):
-            return self.prefill_graphs.run(rows[0].slot, list(rows[0].token_ids))
-        tokens, positions = [], []
-        for r in rows:
-            pad = width - len(r.token_ids)
-            tokens.append([0] * pad + list(r.token_ids))
-            positions.append([self.cache.slot_len] * pad + list(range(r.start, r.start + len(r.token_ids))))
-        kv_len = max(r.start + len(r.token_ids) for r in rows)
-        position_ids = torch.tensor(positions, device=self.device)
-        self.cache.prepare_slots([r.slot for r in rows], position_ids, kv_len)
-        mask = prefill_mask([r.start for r in rows], [len(r.token_ids) for r in rows], kv_len, self.dtype, self.device)
-        with torch.compiler.set_stance("force_eager") if self._eager_prompts else contextlib.nullcontext():
-            return self._forward(torch.tensor(tokens, device=self.device), position_ids, mask)
-
-    @property
-    def _eager_prompts(self) -> bool:
-        """Whether prompt forwards skip the compiled forward: on a CPU. There only decode steps are compiled. A prompt
-        forward holds enough tokens that the Python around its kernels costs little; a long one runs faster eagerly,
-        where its int4 / int8 products dequantize their matrices for oneDNN (dequant.cpu_product_dequantizes), which
-        compiled they cannot; and every class of prompt shapes would take another whole-model compilation at start-up
-        (12 to 63 s each on 2 cores, for 4 of the 6 classes)."""
-        return self._compile and self.device.type == "cpu"
-
-    def _decode_step(self, tokens: list[int], positions: list[int], lengths: list[int], first: int) -> torch.Tensor:
-        """The eager forward of one decode step over cache rows first.. first + len(tokens) - 1."""
-        position_ids = torch.tensor(positions, device=self.device)[:, None]
-        kv_len = max(lengths)
-        self.cache.prepare(first, position_ids, kv_len)
-        mask = decode_mask(torch.tensor(lengths, device=self.device), kv_len, self.dtype)
-        return self._forward(torch.tensor(tokens, device=self.device)[:, None], position_ids, mask)
-
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The model's next-token logits for each batch row: (rows, vocab)."""
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_kwarg: self.cache},
-        )
-        return output.logits[:, -1]
+    def memory_bytes(self) -> int:
+        """Device memory the model holds now: the weights and the KV cache, measured."""
 
     def close(self) -> None:
-        """Nothing to free by hand: torch frees the model and the cache with their last reference."""
-
-    # -- preparation -----------------------------------------------------------------------------------------------
-
-    def _allocate_cache(self, loaded: LoadedModel) -> SlotCache:
-        """One KV slot of up to the model's context per running request, within the memory budget (on a CPU, touched
-        only as contexts grow: see SlotCache)."""
-        info, config, slots = loaded.info, loaded.model.config, self.config.max_batch
-        budget = self.config.kv_cache_bytes if self.config.kv_cache_bytes is not None else kv_budget(info.device)
-        slot_len = slot_tokens(info.context_length, slots, kv_bytes_per_token(config, info.dtype), budget)
-        return SlotCache(config, slots, slot_len, info.dtype, info.device)
-
-    def _prepare_forward(self) -> None:
-        """Before the worker reports ready: with --compile, the forward through torch.compile (see compiled.py), run
-        once for each class of shapes so that no request waits for a compilation; on a GPU, the decode and first-chunk
-        graphs captured for the common shapes (of the compiled or the plain layers)."""
-        graphs = self.config.cuda_graphs and not self.config.deterministic and self.device.type == "cuda"
-        if not (graphs or self._compile):
-            return
-        started = time.perf_counter()
-        with torch.inference_mode():
-            if self._compile:
-                try:
-                    compile_model(self.model, self.cache)
-                    self.warm_up(graphs)
-                except Exception as exc:  # e.g. no Triton for this GPU, no C++ compiler: slower, but it runs
-                    log.warning("torch.compile failed, running the model uncompiled: %s", str(exc).splitlines()[0])
-                    self._compile = False
-                    uncompile_model(self.model, self.cache)
-                    self.graphs = self.prefill_graphs = None
-            if graphs and self.graphs is None:
-                self.warm_up(graphs)
-        log.info(
-            "prepared the %s forward in %.1f s (%d CUDA graphs)",
-            "compiled" if self._compile else "plain",
-            time.perf_counter() - started,
-            len(self.graphs.graphs if self.graphs else ())
-            + len(self.prefill_graphs.graphs if self.prefill_graphs else ()),
-        )
-
-    def warm_up(self, graphs: bool) -> None:
-        """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN (greedy and chat sampling) and the first-chunk
-        prefill graphs. Compiled layers also run the forwards that stay eager once (on a GPU prompt chunks of one and
-        two rows, of different lengths; without graphs decode steps of one and two rows), so that they are compiled for
-        any shape before the first request (tests/test_compile.py fails any compilation after ready)."""
-        if graphs:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.cache_kwarg, self.dtype, self.state)
-            self.graphs.warm_up(GRAPH_WARM_SPAN, WARM_FEATURES)
-            self.prefill_graphs = PrefillGraphs(
-                self.model, self.cache, self.cache_kwarg, self.dtype, self.config.prefill_chunk, self.graphs.pool
-            )
-            self.prefill_graphs.warm_up()
-        if self._compile and not self._eager_prompts:
-            # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
-            # of two lengths (it took the first length it met for a constant); on a GPU, where first chunks run as
-            # graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's kernels guard on
-            # that alignment: 17-token prompts batched together recompiled for seconds after ready).
-            for count in (1, 16, 24):
-                self._prompt_forward([PromptRow(0, [0] * count, 0, False)])
-            for count in (48, 17):
-                self._prompt_forward([PromptRow(0, [0] * count, 16, False)])
-            if self.cache.slots > 1:
-                for long, short in ((16, 8), (17, 9)):
-                    self._prompt_forward([PromptRow(0, [0] * long, 0, False), PromptRow(1, [0] * short, 0, False)])
-        if self._compile and not graphs:
-            for rows in range(1, min(self.cache.slots, 2) + 1):
-                self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Free what the runner holds that Python's collector does not."""
 
 
-def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
-    """On a CPU, the linear layers' weights reordered once for oneDNN (see cpu_linear.py); the weight bytes measured
-    again, since the plain weights are gone (a tied LM head's packed copy comes on top)."""
-    if not can_pack(loaded.model):
-        return loaded
-    pack_linears(loaded.model)
-    weight_bytes = tensor_bytes(loaded.model) + packed_bytes(loaded.model)
-    return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
+def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
+    """The runner of the loaded model's runtime (models/loader.py chose it)."""
+    if loaded.info.runtime == "llama.cpp":
+        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
 
+        return LlamaCppRunner(loaded, config)
+    from rbee_worker.engine.torch_runner import TorchRunner
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The name of forward's cache argument: transformers renamed `past_key_values` to `cache` in 5.2x, and the GPU
-    machines still run 5.17."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return TorchRunner(loaded, config)

@@ -1,53 +1,22 @@
-"""The scheduler: which requests run, which slot each holds, what each round computes, and when a request ends.
+"""The scheduler: which requests run, which slot each holds, what each round computes, and how far each request has got.
 
-It knows no tensors: the runner turns its plan into forwards and sampled tokens, and hands the tokens back through
-`accept`. Each round (`schedule`): requests cancelled since the last round end; waiting requests take free slots (the
-lowest first) in arrival order, up to one slot each of the `max_batch`; requests still reading their prompt get prompt
-chunks, up to `prefill_chunk` tokens in all, oldest first, grouped into forwards; every request with its prompt cached
-decodes one token. A long prompt therefore delays the others' next token by at most one chunk.
+It knows no tensors and no text: the runner turns its plan into forwards and sampled tokens (engine/step.py), the
+output processor turns tokens into events (engine/output.py). Each round (`schedule`): waiting requests take free
+slots (the lowest first) in arrival order, up to `max_batch` running at once; requests still reading their prompt get
+prompt chunks, up to `prefill_chunk` tokens in all, oldest first, grouped into forwards; every running request with
+its prompt cached decodes one token. A long prompt therefore delays the others' next token by at most one chunk. A
+runner with mixed batches takes the round's chunks and decode rows in one forward.
 
-`deterministic` (batch invariance): a request's tokens must not depend on what else runs, so every chunk has a forward
-of its own and chunks split a prompt at multiples of `prefill_chunk` whatever else runs (the runner also decodes each
-sequence alone).
+`deterministic` (batch invariance): a request's tokens must not depend on what else runs, so every chunk and every
+decode row has a forward of its own, and chunks split a prompt at multiples of `prefill_chunk` whatever else runs.
 """
 
-import logging
-import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.detokenizer import Detokenizer
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason, Token, TokenLogprob
-
-log = logging.getLogger(__name__)
-
-Sink = Callable[[Event], None]
-
-
-class EngineObserver(Protocol):
-    """Told about every request's timing on the engine thread (the worker's metrics); must be quick."""
-
-    def first_token(self, seconds: float) -> None:
-        """From submission to the first sampled token."""
-
-    def next_token(self, seconds: float) -> None:
-        """Between two sampled tokens of one request (the end-of-sequence token included)."""
-
-    def finished(self, request: Request, terminal: End | Error, seconds: float) -> None:
-        """The request ended, `seconds` after its submission."""
-
-
-class NoObserver:
-    def first_token(self, seconds: float) -> None:
-        pass
-
-    def next_token(self, seconds: float) -> None:
-        pass
-
-    def finished(self, request: Request, terminal: End | Error, seconds: float) -> None:
-        pass
+from rbee_worker.engine.output import Output
+from rbee_worker.engine.types import Request
 
 
 @dataclass(eq=False)
@@ -55,18 +24,13 @@ class Sequence:
     """A request admitted to the engine, and how far it has got."""
 
     request: Request
-    sink: Sink
     seed: int
-    detokenizer: Detokenizer
-    submitted_at: float = field(default_factory=time.perf_counter)
-    slot: int | None = None  # its row in the KV cache, once it runs
+    output: Output  # the output processor's record of it
+    slot: int | None = None  # its row in the KV cache and the sampler, while it runs
     cached: int = 0  # tokens whose keys and values are in its slot: the prompt first, then all but the last output
-    output_ids: list[int] = field(default_factory=list)
-    pieces: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    cancelled: bool = False
-    launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Steps._decode_ahead)
+    output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
+    launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Steps._decode)
+    finished: bool = False  # ended: its slot is free and its id may come again
 
     @property
     def request_id(self) -> str:
@@ -75,15 +39,6 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.cached < len(self.request.prompt_ids)
-
-    def send(self, event: Event) -> None:
-        """Deliver an event; a consumer that is gone (its event loop closed, say) cancels the request instead of
-        taking the engine thread down."""
-        try:
-            self.sink(event)
-        except Exception:
-            log.warning("could not deliver an event of request %s; cancelling it", self.request_id)
-            self.cancelled = True
 
 
 @dataclass(frozen=True)
@@ -104,64 +59,67 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One round: sequences that took a slot (their sampling state goes there first), prompt chunks in groups (a forward
-    each), then one decode step over `decode`."""
+class Forward:
+    """One forward of a round: prompt chunks, decode rows (one token for each sequence), or, for a runner with mixed
+    batches, both."""
 
-    started: list[Sequence]
-    prefill: list[list[Chunk]]
+    chunks: list[Chunk]
     decode: list[Sequence]
 
 
-class Scheduler:
-    """Owns the admitted requests (arrival order), the slots, and the rules that end a request. Terminal events go
-    through `retired`, which frees what the engine holds for the request before the caller hears of it."""
+@dataclass(frozen=True)
+class Plan:
+    """One round: the sequences that took a slot (their sampling state goes there first), those whose caller is gone
+    (to end as cancelled), then the forwards in order, decode rows last."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        eos_ids: frozenset[int],
-        bytes_per_token: int,
-        retired: Callable[[Sequence, End | Error], None],
-        observer: EngineObserver | None = None,
-    ) -> None:
+    started: list[Sequence]
+    abandoned: list[Sequence]
+    forwards: list[Forward]
+
+
+class Scheduler:
+    """Owns the admitted requests (`waiting` for a slot, `running` in one), the slots, and each sequence's progress."""
+
+    def __init__(self, config: EngineConfig, mixed_batches: bool) -> None:
         self.config = config
-        self._eos = eos_ids
-        self._bytes_per_token = bytes_per_token
-        self._retired = retired
-        self._observer = observer or NoObserver()
-        self.active: dict[str, Sequence] = {}  # arrival order: the first max_batch run, the others wait for a slot
+        self.mixed_batches = mixed_batches and not config.deterministic
+        self.waiting: deque[Sequence] = deque()  # arrival order
+        self.running: list[Sequence] = []  # admission order, which is arrival order
+        self._by_id: dict[str, Sequence] = {}
         self._free_slots = list(range(config.max_batch))
 
     def add(self, sequence: Sequence) -> None:
-        self.active[sequence.request_id] = sequence
+        self.waiting.append(sequence)
+        self._by_id[sequence.request_id] = sequence
 
     def get(self, request_id: str) -> Sequence | None:
-        return self.active.get(request_id)
+        return self._by_id.get(request_id)
 
-    def is_running(self, sequence: Sequence) -> bool:
-        """Whether the sequence has not ended (a sequence object, not an id: an id can be reused at once)."""
-        return self.active.get(sequence.request_id) is sequence
-
-    @property
-    def running(self) -> list[Sequence]:
-        """The sequences that hold (or are next to take) a slot."""
-        return list(self.active.values())[: self.config.max_batch]
+    def __len__(self) -> int:
+        """Sequences admitted and not finished: running and waiting."""
+        return len(self._by_id)
 
     def schedule(self) -> Plan:
-        """This round's work; takes slots for the sequences that start running and ends the cancelled ones."""
-        running, started = [], []
-        for sequence in self.running:
-            if sequence.cancelled:
-                self.finish(sequence, StopReason.CANCELLED)
-                continue
-            if sequence.slot is None:
-                sequence.slot = self._free_slots.pop(self._free_slots.index(min(self._free_slots)))
-                started.append(sequence)
-            running.append(sequence)
-        prefilling = [s for s in running if s.prefilling]
+        """This round's work; waiting sequences take free slots."""
+        started = []
+        while self.waiting and self._free_slots:
+            sequence = self.waiting.popleft()
+            sequence.slot = self._free_slots.pop(self._free_slots.index(min(self._free_slots)))
+            self.running.append(sequence)
+            started.append(sequence)
+        abandoned = [s for s in self._by_id.values() if s.output.undeliverable]
+        running = [s for s in self.running if not s.output.undeliverable]
+        chunks = self._chunks([s for s in running if s.prefilling])
         decoding = [s for s in running if not s.prefilling]
-        return Plan(started, self._group(self._chunks(prefilling)), decoding)
+        if self.mixed_batches:
+            forwards = [Forward(chunks, decoding)] if chunks or decoding else []
+        else:
+            forwards = [Forward(group, []) for group in self._group(chunks)]
+            if self.config.deterministic:
+                forwards += [Forward([], [sequence]) for sequence in decoding]
+            elif decoding:
+                forwards.append(Forward([], decoding))
+        return Plan(started, abandoned, forwards)
 
     def _chunks(self, sequences: list[Sequence]) -> list[Chunk]:
         """Up to prefill_chunk prompt tokens, oldest request first."""
@@ -196,80 +154,36 @@ class Scheduler:
             groups.append(group)
         return groups
 
-    def prefilled(self, chunk: Chunk) -> None:
-        """The chunk's keys and values are in the sequence's slot."""
-        chunk.sequence.cached += chunk.count
+    def computed(self, chunks: list[Chunk], decoded: list[Sequence]) -> None:
+        """A forward put these chunks' and these decode rows' keys and values in their sequences' slots."""
+        for chunk in chunks:
+            chunk.sequence.cached += chunk.count
+        for sequence in decoded:
+            sequence.cached += 1
 
-    def accept(self, sequence: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        """A sampled token for the sequence: EOS, a stop string or max_tokens end it; otherwise its text goes out."""
-        now = time.perf_counter()
-        if sequence.last_token_at is None:
-            sequence.first_token_at = now
-            self._observer.first_token(now - sequence.submitted_at)
-        else:
-            self._observer.next_token(now - sequence.last_token_at)
-        sequence.last_token_at = now
-        if token in self._eos and not sequence.request.ignore_eos:
-            self.finish(sequence, StopReason.EOS)
-            return
+    def append(self, sequence: Sequence, token: int) -> bool:
+        """A generated token (not EOS) of the sequence; True when it is the last that max_tokens allows."""
         sequence.output_ids.append(token)
-        text = sequence.detokenizer.add_token(token)
-        self._emit_piece(sequence, text, (token,), () if logprob is None else (logprob,))
-        if sequence.detokenizer.stop_matched is not None:
-            self.finish(sequence, StopReason.STOP_SEQUENCE)
-        elif len(sequence.output_ids) >= sequence.request.max_tokens:
-            self.finish(sequence, StopReason.MAX_TOKENS)
+        return len(sequence.output_ids) >= sequence.request.max_tokens
 
-    def has_tokens_to_launch(self, sequence: Sequence) -> bool:
-        """Whether the sequence still runs and needs a token beyond those already launched."""
-        return self.is_running(sequence) and len(sequence.output_ids) + sequence.launched < sequence.request.max_tokens
+    def wants_token(self, sequence: Sequence) -> bool:
+        """Whether the sequence runs and needs a token beyond those already launched."""
+        return not sequence.finished and len(sequence.output_ids) + sequence.launched < sequence.request.max_tokens
 
-    def _emit_piece(
-        self, sequence: Sequence, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()
-    ) -> None:
-        sequence.send(Token(sequence.request_id, text, token_ids, sequence.pieces, logprobs))
-        sequence.pieces += 1
-
-    def finish(self, sequence: Sequence, reason: StopReason) -> None:
-        if reason is not StopReason.CANCELLED and (rest := sequence.detokenizer.finish()):
-            self._emit_piece(sequence, rest, ())
-        now = time.perf_counter()
-        first = sequence.first_token_at or now
-        self.retire(
-            sequence,
-            End(
-                request_id=sequence.request_id,
-                stop_reason=reason,
-                prompt_tokens=len(sequence.request.prompt_ids),
-                tokens_out=len(sequence.output_ids),
-                seed=sequence.seed,
-                stop_sequence=sequence.detokenizer.stop_matched,
-                time_to_first_token_s=first - sequence.submitted_at,
-                decode_time_s=now - first,
-                kv_cache_bytes=sequence.cached * self._bytes_per_token,
-            ),
-        )
-
-    def fail(self, sequence: Sequence, code: ErrorCode, message: str) -> None:
-        self.retire(sequence, Error(sequence.request_id, code, message))
-
-    def retire(self, sequence: Sequence, terminal: End | Error) -> None:
-        """Free the request's slot, then hand its one terminal event to `retired`."""
-        if self.is_running(sequence):
-            del self.active[sequence.request_id]
-        if sequence.slot is not None:
-            self._free_slots.append(sequence.slot)
-            sequence.slot = None
-            sequence.cached = 0
-        # Counted before the caller hears of it: a client that reads /metrics right after its response sees its
-        # request there.
-        self._observer.finished(sequence.request, terminal, time.perf_counter() - sequence.submitted_at)
-        self._retired(sequence, terminal)
-
-    def cancel_all(self) -> None:
-        for sequence in list(self.active.values()):
-            self.finish(sequence, StopReason.CANCELLED)
+    def free(self, sequence: Sequence) -> None:
+        """The sequence has ended: its slot is free for the next, its id may come again."""
+        if sequence.finished:
+            return
+        sequence.finished = True
+        del self._by_id[sequence.request_id]
+        if sequence.slot is None:
+            self.waiting.remove(sequence)
+            return
+        self.running.remove(sequence)
+        self._free_slots.append(sequence.slot)
+        sequence.slot = None
+        sequence.cached = 0
 
     def kv_positions(self) -> int:
         """Token positions that running requests hold in the KV cache."""
-        return sum(s.cached for s in list(self.active.values()))
+        return sum(s.cached for s in list(self.running))

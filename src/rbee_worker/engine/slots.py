@@ -1,15 +1,14 @@
-"""What every model runner shares, whatever runs the forward (torch or llama.cpp): the rows it is handed, the outcome
-it gives back, how many tokens each KV slot holds, and each slot's sampling state with the batched sampler over the
-logits rows of a step.
+"""What every model runner shares, whatever runs the forward (torch or llama.cpp): how many tokens each KV slot holds,
+and each slot's sampling state with the batched sampler over the logits rows of a step.
 """
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import psutil
 import torch
 
+from rbee_worker.engine.runner import Sampled
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample, unpack
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import TokenLogprob
@@ -21,36 +20,6 @@ MIN_SLOT_TOKENS = 64  # a KV slot shorter than this cannot hold a useful request
 GPU_KV_SHARE = 0.9  # of the device memory free after loading
 ACTIVATION_RESERVE_BYTES = 1 << 30  # left free on a GPU for activations and logits
 CPU_KV_SHARE = 0.5  # of the host memory available after loading
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """Prompt tokens fed at positions start.. of a slot; `sample`: the chunk ends the prompt, so a token follows."""
-
-    slot: int
-    token_ids: Sequence[int]
-    start: int
-    sample: bool
-
-
-@dataclass(frozen=True)
-class DecodeRow:
-    """One decode row: `token` fed at `position` of the slot; `chained`: take instead the token that the previous
-    launched step chose for this row, on the device."""
-
-    slot: int
-    token: int
-    position: int
-    chained: bool = False
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A row's outcome, on the host."""
-
-    token: int
-    valid: bool  # False: the logits gave no valid distribution (NaN, +inf, or every token masked)
-    logprob: TokenLogprob | None
 
 
 def kv_budget(device: torch.device) -> int:

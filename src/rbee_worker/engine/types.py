@@ -20,6 +20,7 @@ class ErrorCode(StrEnum):
     CANCELLED = "CANCELLED"
     TIMEOUT = "TIMEOUT"
     INFERENCE_FAILED = "INFERENCE_FAILED"
+    INTERNAL_ERROR = "INTERNAL_ERROR"  # a bug of the worker's host code, not of the model or the device
 
 
 @dataclass(frozen=True)

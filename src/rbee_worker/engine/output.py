@@ -1,0 +1,144 @@
+"""Output processing: what becomes of a request's sampled tokens. The end-of-sequence token, detokenizing, stop strings,
+the tokens' log-probabilities, the timings the metrics observe, and every event the request's caller receives.
+
+The scheduler decides who runs and how far each sequence has got; this module turns tokens into events and says when
+a request's text or EOS ends it. Everything here runs on the engine thread.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from rbee_worker.engine.detokenizer import Detokenizer
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
+
+if TYPE_CHECKING:
+    from rbee_worker.engine.scheduler import Sequence
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Event], None]
+
+
+class EngineObserver(Protocol):
+    """Told about every request's timing on the engine thread (the worker's metrics); must be quick."""
+
+    def first_token(self, seconds: float) -> None:
+        """From submission to the first sampled token."""
+
+    def next_token(self, seconds: float) -> None:
+        """Between two sampled tokens of one request (the end-of-sequence token included)."""
+
+    def finished(self, request: Request, terminal: End | Error, seconds: float) -> None:
+        """The request ended, `seconds` after its submission."""
+
+
+class NoObserver:
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def next_token(self, seconds: float) -> None:
+        pass
+
+    def finished(self, request: Request, terminal: End | Error, seconds: float) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class Output:
+    """A request's output so far: where its events go, its text, its timings."""
+
+    sink: Sink
+    detokenizer: Detokenizer
+    submitted_at: float = field(default_factory=time.perf_counter)
+    pieces: int = 0  # Token events sent
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    undeliverable: bool = False  # an event could not be delivered: the caller is gone
+
+
+class OutputProcessor:
+    """Turns each sampled token of a sequence into events and tells the caller whether it ends the sequence; builds
+    the one terminal event of every request and hands it to `retire`, which frees what the engine holds for the
+    request and delivers the event."""
+
+    def __init__(
+        self,
+        eos_ids: frozenset[int],
+        bytes_per_token: int,
+        retire: "Callable[[Sequence, End | Error], None]",
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self._eos = eos_ids
+        self._bytes_per_token = bytes_per_token
+        self._retire = retire
+        self.observer = observer or NoObserver()
+
+    def started(self, sequence: "Sequence") -> None:
+        send(sequence, Started(sequence.request_id, len(sequence.request.prompt_ids), sequence.seed))
+
+    def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:
+        """A sampled token of the sequence: EOS ends it (and is not output); otherwise its text goes out, and a stop
+        string that its text completes ends it. The caller records the token as output first."""
+        output = sequence.output
+        now = time.perf_counter()
+        if output.last_token_at is None:
+            output.first_token_at = now
+            self.observer.first_token(now - output.submitted_at)
+        else:
+            self.observer.next_token(now - output.last_token_at)
+        output.last_token_at = now
+        if token in self._eos and not sequence.request.ignore_eos:
+            return StopReason.EOS
+        text = output.detokenizer.add_token(token)
+        self._piece(sequence, text, (token,), () if logprob is None else (logprob,))
+        return StopReason.STOP_SEQUENCE if output.detokenizer.stop_matched is not None else None
+
+    def end(self, sequence: "Sequence", reason: StopReason) -> None:
+        """The sequence ends for `reason`: the text held back goes out (unless cancelled), then its End event."""
+        output = sequence.output
+        if reason is not StopReason.CANCELLED and (rest := output.detokenizer.finish()):
+            self._piece(sequence, rest, ())
+        now = time.perf_counter()
+        first = output.first_token_at or now
+        self._terminal(
+            sequence,
+            End(
+                request_id=sequence.request_id,
+                stop_reason=reason,
+                prompt_tokens=len(sequence.request.prompt_ids),
+                tokens_out=len(sequence.output_ids),
+                seed=sequence.seed,
+                stop_sequence=output.detokenizer.stop_matched,
+                time_to_first_token_s=first - output.submitted_at,
+                decode_time_s=now - first,
+                kv_cache_bytes=sequence.cached * self._bytes_per_token,
+            ),
+        )
+
+    def fail(self, sequence: "Sequence", code: ErrorCode, message: str) -> None:
+        self._terminal(sequence, Error(sequence.request_id, code, message))
+
+    def _terminal(self, sequence: "Sequence", terminal: End | Error) -> None:
+        # Counted before the caller hears of it: a client that reads /metrics right after its response sees its
+        # request there.
+        self.observer.finished(sequence.request, terminal, time.perf_counter() - sequence.output.submitted_at)
+        self._retire(sequence, terminal)
+
+    def _piece(
+        self, sequence: "Sequence", text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]
+    ) -> None:
+        send(sequence, Token(sequence.request_id, text, token_ids, sequence.output.pieces, logprobs))
+        sequence.output.pieces += 1
+
+
+def send(sequence: "Sequence", event: Event) -> None:
+    """Deliver an event; a consumer that is gone (its event loop closed, say) marks the request undeliverable, which
+    the scheduler ends as cancelled, instead of taking the engine thread down."""
+    try:
+        sequence.output.sink(event)
+    except Exception:
+        log.warning("could not deliver an event of request %s; cancelling it", sequence.request_id)
+        sequence.output.undeliverable = True

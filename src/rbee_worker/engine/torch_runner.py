@@ -1,0 +1,316 @@
+"""The torch runtime's runner (the Runner protocol of engine/runner.py): a transformers model, its KV cache, its CUDA
+graphs, and the sampler's state; forwards in, chosen tokens out.
+
+It knows nothing of requests: the engine hands it rows (a slot, the tokens to feed, where they go) and gets back,
+for each row that samples, the chosen token, whether the logits were valid, and the log-probabilities asked for.
+Sampling runs on the device right after the forward (engine/sampler.py), inside the decode step's CUDA graph on a GPU,
+so only the chosen ids (and requested logprobs) cross to the host, once per step. On a GPU a decode step is launched
+without waiting for it (`launch`), and the next one may chain onto it (`chains`) when its graph is captured.
+"""
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from rbee_worker.devices import tensor_bytes
+from rbee_worker.engine.attention import use_engine_attention
+from rbee_worker.engine.compiled import compile_model, uncompile_model
+from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
+from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
+from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
+from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
+from rbee_worker.engine.sampler import SamplerFeatures
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.slots import SlotSampling, kv_budget, slot_tokens
+from rbee_worker.models.loaded import LoadedModel
+from rbee_worker.models.merged_linear import merge_projections
+
+log = logging.getLogger(__name__)
+
+GRAPH_WARM_SPAN = 2048  # decode graphs captured before ready: every batch bucket up to this attention span
+# The sampler stages that decode graphs are captured with before ready: greedy rows, and sampled ones (their graph
+# runs every sampled stage: cuda_graphs.graph_features). Steps with logprobs are captured when they first come.
+WARM_FEATURES = [SamplerFeatures(), SamplerFeatures(filters=True)]
+
+
+class _GraphStep:
+    """A decode step launched as a CUDA graph, not waited for."""
+
+    ready = False
+
+    def __init__(self, step: LaunchedStep, rows: list[DecodeRow]) -> None:
+        self.step, self.rows = step, rows
+
+
+class TorchRunner:
+    """Prepares a loaded model for serving (merged projections, oneDNN packing on a CPU, the engine's attention, the
+    KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine thread."""
+
+    # Prompt chunks and decode rows run as separate forwards: the rows of one forward are padded to one width.
+    capabilities = Capabilities(mixed_batches=False)
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        merge_projections(loaded.model)
+        if not config.compile_model:  # inductor packs the weights of what it compiles itself
+            loaded = _pack_for_cpu(loaded)
+        use_engine_attention(loaded.model)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.info.device
+        self.dtype = loaded.info.dtype
+        self.cache_kwarg = cache_kwarg(loaded.model)
+        self.cache = self._allocate_cache(loaded)
+        self.kv = KvGeometry(self.cache.slots, self.cache.slot_len, self.cache.bytes_per_token)
+        self.vocab_size = loaded.model.get_output_embeddings().out_features  # the logits' width
+        self.sampling = SlotSampling(config.max_batch, self.vocab_size, self.device)
+        self.state = self.sampling.state
+        self._compile = config.compile_model
+        # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self._prepare_forward()
+
+    # -- sampling state ------------------------------------------------------------------------------------------
+
+    def assign(
+        self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
+    ) -> None:
+        """A request takes the slot: its sampling parameters, seed and penalty counts go to the device."""
+        self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
+
+    def features(self, slots: Sequence[int]) -> SamplerFeatures:
+        return self.sampling.features(slots)
+
+    # -- steps -----------------------------------------------------------------------------------------------------
+
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+        """An eager forward over prompt chunks, or one over decode rows (never both: see `capabilities`)."""
+        if prompts and decodes:
+            raise ValueError("the torch runner runs prompt chunks and decode rows in separate forwards")
+        if prompts:
+            return self._prefill(prompts)
+        return self._decode(decodes) if decodes else []
+
+    def chains(self, decodes: list[DecodeRow]) -> bool:
+        """On a GPU, when the step's graph is captured: capturing one runs the forward, which overwrites the tokens
+        that the step before chose on the device."""
+        if self.graphs is None:
+            return False
+        longest = max(r.position for r in decodes) + 1
+        return self.graphs.captured(max(r.slot for r in decodes) + 1, longest, self.features([r.slot for r in decodes]))
+
+    def launch(self, decodes: list[DecodeRow]) -> Launched:
+        """On a GPU a CUDA graph over cache rows 0.. (the highest slot), not waited for (see DecodeGraphs); elsewhere
+        an eager decode step."""
+        if self.graphs is None:
+            return Finished(self._decode(decodes))
+        count = max(r.slot for r in decodes) + 1
+        tokens, positions, lengths, chained = [0] * count, [self.cache.slot_len] * count, [0] * count, [False] * count
+        for r in decodes:
+            tokens[r.slot], positions[r.slot], lengths[r.slot], chained[r.slot] = (
+                r.token, r.position, r.position + 1, r.chained
+            )  # fmt: skip
+        features = self.features([r.slot for r in decodes])
+        return _GraphStep(self.graphs.launch(tokens, positions, lengths, chained, features), decodes)
+
+    def collect(self, launched: Launched) -> list[Sampled]:
+        """The launched step's rows' tokens, in order (a graph step: once it has run)."""
+        if isinstance(launched, Finished):
+            return launched.sampled
+        assert isinstance(launched, _GraphStep)
+        packed = launched.step.result()
+        return [self.sampling.sampled(packed[r.slot], r.slot) for r in launched.rows]
+
+    def fault(self, error: BaseException) -> str | None:
+        """On a GPU, whether the device still runs work: a CUDA error such as an illegal memory access leaves the
+        context unusable, and every later call raises it again."""
+        if self.device.type != "cuda" or isinstance(error, torch.OutOfMemoryError):
+            return None
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).item()
+        except Exception as probe:
+            return f"the CUDA device fails every operation: {str(probe).splitlines()[0]}"
+        return None
+
+    def kv_bytes(self) -> int:
+        """All of the cache on a GPU (allocated at start); on a CPU the part touched so far."""
+        if self.device.type == "cuda":
+            return self.kv.slots * self.kv.tokens_per_slot * self.kv.bytes_per_token
+        return self.cache.resident_bytes
+
+    def memory_bytes(self) -> int:
+        """On a GPU what torch has allocated on the device; elsewhere the weights and the touched KV cache."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.loaded.info.weight_bytes + self.kv_bytes()
+
+    # -- forwards --------------------------------------------------------------------------------------------------
+
+    def _prefill(self, rows: list[PromptRow]) -> list[Sampled]:
+        """One forward over prompt chunks, a batch row each; the chosen tokens of the rows that sample, in order."""
+        logits = self._prompt_forward(rows)
+        picked = [i for i, row in enumerate(rows) if row.sample]
+        if not picked:
+            return []
+        slots = [rows[i].slot for i in picked]
+        packed = self.sampling.sample(logits[picked], slots, [True] * len(slots))
+        return [self.sampling.sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
+
+    def _decode(self, rows: list[DecodeRow]) -> list[Sampled]:
+        """One eager decode step over the cache rows from the lowest to the highest slot of `rows` (rows in between
+        that are not theirs compute a throwaway token into the scratch position); the rows' tokens in order."""
+        first = min(r.slot for r in rows)
+        count = max(r.slot for r in rows) + 1 - first
+        tokens, positions, lengths = [0] * count, [self.cache.slot_len] * count, [0] * count
+        for r in rows:
+            row = r.slot - first
+            tokens[row], positions[row], lengths[row] = r.token, r.position, r.position + 1
+        logits = self._decode_step(tokens, positions, lengths, first)
+        live = [length > 0 for length in lengths]
+        packed = self.sampling.sample(logits, list(range(first, first + count)), live)
+        return [self.sampling.sampled(packed[r.slot - first], r.slot) for r in rows]
+
+    def _prompt_forward(self, rows: list[PromptRow]) -> torch.Tensor:
+        """Row b feeds rows[b].token_ids at positions rows[b].start.. of its slot; rows are left-padded to the
+        longest (padding writes the scratch position), so the logits returned, one row each, follow each row's last
+        token."""
+        width = max(len(r.token_ids) for r in rows)
+        if self.prefill_graphs and len(rows) == 1 and rows[0].start == 0 and self.prefill_graphs.fits(width):
+            return self.prefill_graphs.run(rows[0].slot, list(rows[0].token_ids))
+        tokens, positions = [], []
+        for r in rows:
+            pad = width - len(r.token_ids)
+            tokens.append([0] * pad + list(r.token_ids))
+            positions.append([self.cache.slot_len] * pad + list(range(r.start, r.start + len(r.token_ids))))
+        kv_len = max(r.start + len(r.token_ids) for r in rows)
+        position_ids = torch.tensor(positions, device=self.device)
+        self.cache.prepare_slots([r.slot for r in rows], position_ids, kv_len)
+        mask = prefill_mask([r.start for r in rows], [len(r.token_ids) for r in rows], kv_len, self.dtype, self.device)
+        with torch.compiler.set_stance("force_eager") if self._eager_prompts else contextlib.nullcontext():
+            return self._forward(torch.tensor(tokens, device=self.device), position_ids, mask)
+
+    @property
+    def _eager_prompts(self) -> bool:
+        """Whether prompt forwards skip the compiled forward: on a CPU. There only decode steps are compiled. A prompt
+        forward holds enough tokens that the Python around its kernels costs little; a long one runs faster eagerly,
+        where its int4 / int8 products dequantize their matrices for oneDNN (dequant.cpu_product_dequantizes), which
+        compiled they cannot; and every class of prompt shapes would take another whole-model compilation at start-up
+        (12 to 63 s each on 2 cores, for 4 of the 6 classes)."""
+        return self._compile and self.device.type == "cpu"
+
+    def _decode_step(self, tokens: list[int], positions: list[int], lengths: list[int], first: int) -> torch.Tensor:
+        """The eager forward of one decode step over cache rows first.. first + len(tokens) - 1."""
+        position_ids = torch.tensor(positions, device=self.device)[:, None]
+        kv_len = max(lengths)
+        self.cache.prepare(first, position_ids, kv_len)
+        mask = decode_mask(torch.tensor(lengths, device=self.device), kv_len, self.dtype)
+        return self._forward(torch.tensor(tokens, device=self.device)[:, None], position_ids, mask)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The model's next-token logits for each batch row: (rows, vocab)."""
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kwarg: self.cache},
+        )
+        return output.logits[:, -1]
+
+    def close(self) -> None:
+        """Nothing to free by hand: torch frees the model and the cache with their last reference."""
+
+    # -- preparation -----------------------------------------------------------------------------------------------
+
+    def _allocate_cache(self, loaded: LoadedModel) -> SlotCache:
+        """One KV slot of up to the model's context per running request, within the memory budget (on a CPU, touched
+        only as contexts grow: see SlotCache)."""
+        info, config, slots = loaded.info, loaded.model.config, self.config.max_batch
+        budget = self.config.kv_cache_bytes if self.config.kv_cache_bytes is not None else kv_budget(info.device)
+        slot_len = slot_tokens(info.context_length, slots, kv_bytes_per_token(config, info.dtype), budget)
+        return SlotCache(config, slots, slot_len, info.dtype, info.device)
+
+    def _prepare_forward(self) -> None:
+        """Before the worker reports ready: with --compile, the forward through torch.compile (see compiled.py), run
+        once for each class of shapes so that no request waits for a compilation; on a GPU, the decode and first-chunk
+        graphs captured for the common shapes (of the compiled or the plain layers)."""
+        graphs = self.config.cuda_graphs and not self.config.deterministic and self.device.type == "cuda"
+        if not (graphs or self._compile):
+            return
+        started = time.perf_counter()
+        with torch.inference_mode():
+            if self._compile:
+                try:
+                    compile_model(self.model, self.cache)
+                    self.warm_up(graphs)
+                except Exception as exc:  # e.g. no Triton for this GPU, no C++ compiler: slower, but it runs
+                    log.warning("torch.compile failed, running the model uncompiled: %s", str(exc).splitlines()[0])
+                    self._compile = False
+                    uncompile_model(self.model, self.cache)
+                    self.graphs = self.prefill_graphs = None
+            if graphs and self.graphs is None:
+                self.warm_up(graphs)
+        log.info(
+            "prepared the %s forward in %.1f s (%d CUDA graphs)",
+            "compiled" if self._compile else "plain",
+            time.perf_counter() - started,
+            len(self.graphs.graphs if self.graphs else ())
+            + len(self.prefill_graphs.graphs if self.prefill_graphs else ()),
+        )
+
+    def warm_up(self, graphs: bool) -> None:
+        """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN (greedy and chat sampling) and the first-chunk
+        prefill graphs. Compiled layers also run the forwards that stay eager once (on a GPU prompt chunks of one and
+        two rows, of different lengths; without graphs decode steps of one and two rows), so that they are compiled for
+        any shape before the first request (tests/test_compile.py fails any compilation after ready)."""
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.cache_kwarg, self.dtype, self.state)
+            self.graphs.warm_up(GRAPH_WARM_SPAN, WARM_FEATURES)
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.cache, self.cache_kwarg, self.dtype, self.config.prefill_chunk, self.graphs.pool
+            )
+            self.prefill_graphs.warm_up()
+        if self._compile and not self._eager_prompts:
+            # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
+            # of two lengths (it took the first length it met for a constant); on a GPU, where first chunks run as
+            # graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's kernels guard on
+            # that alignment: 17-token prompts batched together recompiled for seconds after ready).
+            for count in (1, 16, 24):
+                self._prompt_forward([PromptRow(0, [0] * count, 0, False)])
+            for count in (48, 17):
+                self._prompt_forward([PromptRow(0, [0] * count, 16, False)])
+            if self.cache.slots > 1:
+                for long, short in ((16, 8), (17, 9)):
+                    self._prompt_forward([PromptRow(0, [0] * long, 0, False), PromptRow(1, [0] * short, 0, False)])
+        if self._compile and not graphs:
+            for rows in range(1, min(self.cache.slots, 2) + 1):
+                self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
+    """On a CPU, the linear layers' weights reordered once for oneDNN (see cpu_linear.py); the weight bytes measured
+    again, since the plain weights are gone (a tied LM head's packed copy comes on top)."""
+    if not can_pack(loaded.model):
+        return loaded
+    pack_linears(loaded.model)
+    weight_bytes = tensor_bytes(loaded.model) + packed_bytes(loaded.model)
+    return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name of forward's cache argument: transformers renamed `past_key_values` to `cache` in 5.2x, and the GPU
+    machines still run 5.17."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -1,0 +1,314 @@
+"""The step loop without a model: the engine driving a fake runner (a few lines) through the Runner protocol.
+
+The fake's token for a row is a function of the token fed and its position, so every request's tokens are known
+whatever else runs; it records every position fed into each slot, so a step that feeds a wrong position (the
+bookkeeping of launched-ahead steps, of mixed batches, of cancelled requests) shows up.
+"""
+
+import queue
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.output import OutputProcessor
+from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason, Token
+from rbee_worker.models.loaded import LoadedModel, ModelInfo
+
+WORDS = ["<eos>", *(f"w{i}" for i in range(1, 10))]
+EOS = 0
+
+
+def next_token(token: int, position: int) -> int:
+    """The fake model: never EOS."""
+    return (token * 7 + position) % 9 + 1
+
+
+def expected_tokens(prompt: Sequence[int], count: int) -> list[int]:
+    tokens, token, position = [], prompt[-1], len(prompt) - 1
+    for _ in range(count):
+        token = next_token(token, position)
+        tokens.append(token)
+        position += 1
+    return tokens
+
+
+class Poison(RuntimeError):
+    pass
+
+
+@dataclass
+class Pending:
+    sampled: list[Sampled]
+    ready: bool = False
+
+
+class FakeRunner:
+    """A runner of one of three kinds: eager (a forward per kind of row), mixed (prompt chunks and decode rows in one
+    forward) or asynchronous (decode steps launched ahead, chained rows reading the previous step's tokens)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kind: str) -> None:
+        self.loaded, self.kind = loaded, kind
+        self.capabilities = Capabilities(mixed_batches=kind == "mixed")
+        self.kv = KvGeometry(config.max_batch, 256, 10)
+        self.fed: dict[int, list[int]] = defaultdict(list)  # slot -> the tokens fed at positions 0, 1, ...
+        self.chosen: dict[int, int] = {}  # slot -> the token its latest row chose ("on the device")
+        self.wrong: list[tuple[int, int, int]] = []  # (slot, position fed, position expected)
+        self.calls = self.chained = 0
+        self.fail_at: dict[int, Exception] = {}  # call number -> what it raises
+        self.poisoned = False
+
+    def assign(self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: object) -> None:
+        self.fed[slot] = []
+
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+        self._call()
+        assert not (prompts and decodes) or self.kind == "mixed"
+        out = []
+        for row in prompts:
+            for i, token in enumerate(row.token_ids):
+                chosen = self._feed(row.slot, token, row.start + i)
+            if row.sample:
+                out.append(Sampled(chosen, True, None))
+        return out + [Sampled(self._feed(r.slot, r.token, r.position), True, None) for r in decodes]
+
+    def chains(self, decodes: list[DecodeRow]) -> bool:
+        return self.kind == "async"
+
+    def launch(self, decodes: list[DecodeRow]) -> Finished | Pending:
+        if self.kind != "async":
+            return Finished(self.step([], decodes))
+        self._call()
+        self.chained += sum(r.chained for r in decodes)
+        fed = [self.chosen[r.slot] if r.chained else r.token for r in decodes]
+        return Pending(
+            [Sampled(self._feed(r.slot, t, r.position), True, None) for r, t in zip(decodes, fed, strict=True)]
+        )
+
+    def collect(self, launched: Finished | Pending) -> list[Sampled]:
+        if not launched.ready:
+            self._call()
+        return launched.sampled
+
+    def fault(self, error: BaseException) -> str | None:
+        return "the fake device is poisoned" if self.poisoned else None
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def _call(self) -> None:
+        self.calls += 1
+        if self.poisoned:
+            raise Poison("poisoned")
+        if error := self.fail_at.pop(self.calls, None):
+            self.poisoned = isinstance(error, Poison)
+            raise error
+
+    def _feed(self, slot: int, token: int, position: int) -> int:
+        if position != len(self.fed[slot]):
+            self.wrong.append((slot, position, len(self.fed[slot])))
+        self.fed[slot].append(token)
+        self.chosen[slot] = next_token(token, position)
+        return self.chosen[slot]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)})))
+    info = ModelInfo("fake", Path("fake"), "hf", "llama", 256, frozenset({EOS}), torch.device("cpu"), torch.float32, 0)
+    return LoadedModel(None, tokenizer, info)  # type: ignore[arg-type] -- the fake runner needs no model
+
+
+def start(loaded: LoadedModel, kind: str, **config: object) -> tuple[Engine, FakeRunner]:
+    runners: list[FakeRunner] = []
+
+    def make(loaded: LoadedModel, config: EngineConfig) -> FakeRunner:
+        runners.append(FakeRunner(loaded, config, kind))
+        return runners[0]
+
+    engine = Engine(lambda: loaded, EngineConfig(**{"max_batch": 3, "prefill_chunk": 8, **config}), runner=make)
+    engine.loaded  # noqa: B018 -- waits for the runner
+    return engine, runners[0]
+
+
+def requests(count: int, stop: tuple[str, ...] = ()) -> list[Request]:
+    return [
+        Request(tuple(range(1, 2 + i * 3 % 17)), max_tokens=1 + i * 5 % 12, request_id=f"r{i}", stop=stop)
+        for i in range(count)
+    ]
+
+
+def run_together(engine: Engine, batch: list[Request]) -> dict[str, list[Event]]:
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    for request in batch:
+        engine.submit(request, events.put)
+    received: dict[str, list[Event]] = defaultdict(list)
+    ended = 0
+    while ended < len(batch):
+        event = events.get(timeout=10)
+        received[event.request_id].append(event)
+        ended += isinstance(event, End | Error)
+    return received
+
+
+def token_ids(events: list[Event]) -> list[int]:
+    return [i for e in events if isinstance(e, Token) for i in e.token_ids]
+
+
+KINDS = ["eager", "mixed", "async"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_each_request_gets_its_own_tokens_at_the_right_positions(
+    loaded: LoadedModel, kind: str, deterministic: bool
+) -> None:
+    """Eight requests of prompts up to 17 tokens (chunks of 8) and 1 to 12 tokens through three slots: each gets the
+    tokens its prompt alone gives, every slot is fed its positions in order, and steps really ran ahead."""
+    engine, runner = start(loaded, kind, deterministic=deterministic)
+    try:
+        batch = requests(8)
+        received = run_together(engine, batch)
+        for request in batch:
+            end = received[request.request_id][-1]
+            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+            assert isinstance(end, End) and end.stop_reason is StopReason.MAX_TOKENS
+        assert runner.wrong == []
+        assert (runner.chained > 0) is (kind == "async")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stop_string_ends_a_request_while_its_next_step_runs(loaded: LoadedModel, kind: str) -> None:
+    """A stop string matched by a token whose next step is already launched ends the request there; the others
+    keep their tokens and positions."""
+    engine, runner = start(loaded, kind)
+    try:
+        batch = requests(6)
+        long = Request((3, 1, 4, 1, 5), max_tokens=12, request_id="long")
+        tokens = expected_tokens(long.prompt_ids, 12)
+        stop_at = tokens.index(tokens[5])  # the first time that word comes
+        stopped = Request(long.prompt_ids, max_tokens=12, request_id="stopped", stop=(WORDS[tokens[5]],))
+        received = run_together(engine, [long, stopped, *batch])
+        assert token_ids(received["long"]) == tokens
+        end = received["stopped"][-1]
+        assert isinstance(end, End) and end.stop_reason is StopReason.STOP_SEQUENCE
+        assert token_ids(received["stopped"]) == tokens[: stop_at + 1] and end.tokens_out == stop_at + 1
+        for request in batch:
+            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert runner.wrong == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cancelled_request_frees_its_slot_for_the_next(loaded: LoadedModel, kind: str) -> None:
+    """A request cancelled at its fourth token (between two steps, as a client that goes away) ends CANCELLED while
+    the others run; a waiting request takes its slot and every request gets its own tokens."""
+    engine, runner = start(loaded, kind, max_batch=2)
+    try:
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+        def sink(event: Event) -> None:
+            events.put(event)
+            if isinstance(event, Token) and event.index == 3:
+                engine.cancel("long")
+
+        engine.submit(Request((1, 2), max_tokens=200, request_id="long"), sink)
+        batch = requests(4)
+        received = run_together(engine, batch)
+        long = [events.get(timeout=10)]
+        while not isinstance(long[-1], End | Error):
+            long.append(events.get(timeout=10))
+        end = long[-1]
+        assert isinstance(end, End) and end.stop_reason is StopReason.CANCELLED and 4 <= end.tokens_out < 10
+        assert token_ids(long) == expected_tokens((1, 2), end.tokens_out)
+        for request in batch:
+            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert runner.wrong == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_forward_that_fails_once_ends_the_requests_in_it_and_the_engine_goes_on(
+    loaded: LoadedModel, kind: str
+) -> None:
+    engine, runner = start(loaded, kind)
+    try:
+        runner.fail_at[4] = RuntimeError("boom")
+        batch = requests(6)
+        received = run_together(engine, batch)
+        failed = [r for r in batch if isinstance(received[r.request_id][-1], Error)]
+        assert failed and all(
+            received[r.request_id][-1] == Error(r.request_id, ErrorCode.INFERENCE_FAILED, "inference failed: boom")
+            for r in failed
+        )
+        assert engine.fault is None
+        again = requests(3)
+        received = run_together(engine, again)
+        for request in again:
+            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_poisoning_fault_fails_every_request_and_stops_the_engine(loaded: LoadedModel, kind: str) -> None:
+    engine, runner = start(loaded, kind, max_batch=2)
+    try:
+        runner.fail_at[3] = Poison("an illegal memory access")
+        batch = [Request((1, 2, 3), max_tokens=10, request_id=f"r{i}") for i in range(5)]
+        received = run_together(engine, batch)  # the two running and the three waiting
+        for request in batch:
+            error = received[request.request_id][-1]
+            assert isinstance(error, Error) and error.code is ErrorCode.INFERENCE_FAILED
+            assert "the fake device is poisoned" in error.message
+        assert engine.fault == "the fake device is poisoned"
+        later = run_together(engine, requests(1))["r0"]
+        assert isinstance(later[-1], Error) and "poisoned" in later[-1].message
+        engine._thread.join(timeout=5)
+        assert not engine._thread.is_alive()
+    finally:
+        engine.close()
+
+
+def test_an_exception_in_output_processing_is_an_internal_error_of_that_request(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = OutputProcessor.token
+
+    def broken(self: OutputProcessor, sequence, *args: object) -> StopReason | None:
+        if sequence.request_id == "r1" and sequence.output_ids:
+            raise KeyError("a bug")
+        return token(self, sequence, *args)
+
+    monkeypatch.setattr(OutputProcessor, "token", broken)
+    engine, runner = start(loaded, "async")
+    try:
+        batch = requests(4)
+        received = run_together(engine, batch)
+        error = received["r1"][-1]
+        assert isinstance(error, Error) and error.code is ErrorCode.INTERNAL_ERROR and "a bug" in error.message
+        for request in (batch[0], *batch[2:]):
+            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert engine.fault is None and runner.wrong == []
+    finally:
+        engine.close()
