@@ -69,3 +69,41 @@ def test_llama_cpp_batched_decode_samples_with_llama_cpps_sampler_chain(demo_ggu
     assert sampled[0] != sampled[1]
     assert sampled != greedy
     assert batched_decode(str(demo_gguf), 2, prompts, 16, chat).tokens == sampled
+
+
+def test_cold_start_bench_reports_first_over_last_round_and_the_ratio_to_greedy() -> None:
+    """bench/cold_start.py's figures from fake rounds: the cold ratio (round 1 over the last), the steady aggregate
+    (median of rounds 2..N) against greedy's, the must-show checks and the table; fewer than two rounds refused."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "bench" / "cold_start.py"
+    module_spec = importlib.util.spec_from_file_location("cold_start", path)
+    cold_start = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(cold_start)
+
+    def rounds(walls: list[float], tokens: int) -> list[dict]:
+        return [
+            {"wall_s": w, "aggregate_tok_s": tokens / w, "ttft_s": 0.1, "decode_tok_s": 50.0, "tokens": tokens}
+            for w in walls
+        ]
+
+    result = {
+        "spec": {"rounds": 5},
+        "modes": {
+            "greedy": {"1": cold_start.summarize(rounds([2.0, 1.0, 1.0, 1.0, 1.0], 100)),
+                       "64": cold_start.summarize(rounds([3.0, 2.0, 2.0, 2.0, 2.0], 6400))},
+            "chat+logprobs5": {"1": cold_start.summarize(rounds([1.05, 1.0, 1.0, 1.0, 1.0], 100)),
+                               "64": cold_start.summarize(rounds([2.5, 2.5, 2.5, 2.5, 2.5], 6400))},
+        },
+    }  # fmt: skip
+    assert result["modes"]["greedy"]["1"]["cold_ratio"] == 2.0
+    assert result["modes"]["greedy"]["64"]["steady_aggregate_tok_s"] == 3200.0
+    checks = cold_start.checks(result, 64)
+    assert checks["worst_cold_ratio"] == (2.0, "greedy@1") and not checks["cold_ratios_ok"]
+    assert checks["logprobs5_over_greedy@64"] == 0.8 and not checks["logprobs_ok"]
+    table = cold_start.table(result).splitlines()
+    assert len(table) == 2 + 4 and "| chat+logprobs5 | 64 | 2.500 | 2.500 | 1.00 |" in table[-1]
+    assert table[-1].endswith("| 0.800 |")
+    with pytest.raises(SystemExit):
+        cold_start.parse_args(["--model", "demo", "--rounds", "1"])
+    assert cold_start.parse_args(["--model", "demo"]).modes == list(cold_start.MODES)
