@@ -14,6 +14,8 @@ from rbee_worker.errors import BindError, GenerationError, ModelLoadError, Regis
 from rbee_worker.logs import LOG_FORMATS, configure_logging
 
 if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
+    import torch
+
     from rbee_worker.devices import Placement
 
 log = logging.getLogger("rbee_worker")
@@ -82,7 +84,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="weight-only quantized linear layers: on the CPU in any --dtype (the kernels compute in bfloat16), on a "
         "CUDA GPU of compute capability 8.0+ in bfloat16. "
         "auto (default): a GGUF file keeps its own quantized matrices (Q4_* as int4, Q8_0 / Q5_K / Q6_K as int8) "
-        "where those kernels run, and is dequantized to --dtype elsewhere; a model directory loads as it is. "
+        "where those kernels run, unless --dtype float32 or float16 is given, and is dequantized to --dtype elsewhere; "
+        "a model directory loads as it is. "
         "int8 / int4: a model directory is quantized at load (int8 per row, int4 per group of 32; embedding and LM "
         "head stay); a GGUF file keeps its own types. none: every weight in --dtype",
     )
@@ -91,8 +94,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "torch", "llama.cpp"],
         help="what runs the model: llama.cpp's runtime (llama-cpp-python; GGUF files on cpu or mps, in the file's own "
-        "types: --dtype and --quantize do not apply) or torch (transformers' model classes). auto (default): "
-        "llama.cpp for a GGUF file on cpu or mps where llama-cpp-python is installed, torch otherwise",
+        "types) or torch (transformers' model classes). auto (default): llama.cpp for a GGUF file on cpu or mps where "
+        "llama-cpp-python is installed, torch otherwise, or where --dtype, --quantize (other than auto) or --compile "
+        "is given, which only torch honours (llama.cpp refuses them)",
     )
     group.add_argument(
         "--threads",
@@ -288,6 +292,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from rbee_worker.listener import bind, is_loopback
 
+    check_runtime_flags(args)
     token = os.environ.get("LLORCH_API_TOKEN") or None
     if token is None and not is_loopback(args.host) and not args.allow_unauthenticated:
         fail(
@@ -309,6 +314,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     check_runtime(args.runtime, placement.device)
+    runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
     config = WorkerConfig(
         engine=EngineConfig(
             deterministic=args.deterministic,
@@ -321,8 +327,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
         model=args.model,
         placement=placement,
-        quantize=args.quantize,
-        runtime=args.runtime,
+        quantize=quantize,
+        runtime=runtime,
         max_context=args.max_context,
         chat_template=chat_template,
         host=args.host,
@@ -361,9 +367,81 @@ def run_generate(args: argparse.Namespace) -> int:
     # Checked before the heavy imports, so a typo fails at once.
     if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
         fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
+    check_runtime_flags(args)
     from rbee_worker.generate import generate
 
     return generate(args)
+
+
+# Why the llama.cpp runtime cannot honour a flag that only the torch runtime honours. No flag is honoured by the
+# llama.cpp runtime alone: --threads, --deterministic, --max-batch, --max-context, --kv-cache-gb and --chat-template
+# apply on both, and the CUDA graph flags apply to a CUDA device, where only torch runs.
+KEEPS_FILE_TYPES = "keeps the GGUF file's types"
+NO_TORCH_COMPILE = "runs nothing through torch.compile"
+
+
+def torch_only_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The flags given with a value other than their default that only the torch runtime honours, each as written on
+    the command line, with why the llama.cpp runtime cannot. A default (`auto`, no --compile) leaves the runtime free;
+    --no-compile asks for what the llama.cpp runtime does anyway."""
+    given = {}
+    if args.dtype != "auto":
+        given[f"--dtype {args.dtype}"] = KEEPS_FILE_TYPES
+    if args.quantize != "auto":
+        given[f"--quantize {args.quantize}"] = KEEPS_FILE_TYPES
+    if getattr(args, "compile", None):  # a `serve` flag
+        given["--compile"] = NO_TORCH_COMPILE
+    return given
+
+
+def check_runtime_flags(args: argparse.Namespace) -> None:
+    """`--runtime llama.cpp` with a flag that only the torch runtime honours is a usage error, reported before anything
+    loads: such a flag is never ignored in silence."""
+    given = torch_only_flags(args)
+    if args.runtime != "llama.cpp" or not given:
+        return
+    by_reason: dict[str, list[str]] = {}
+    for flag, why in given.items():
+        by_reason.setdefault(why, []).append(flag)
+    conflicts = [
+        f"--runtime llama.cpp {why}: {' and '.join(flags)} cannot be honoured" for why, flags in by_reason.items()
+    ]
+    *rest, last = [flag.split()[0] for flag in given]
+    names = f"{', '.join(rest)} and {last}" if rest else last
+    fail(f"{'; '.join(conflicts)}; drop {names} or use --runtime torch", EXIT_USAGE)
+
+
+def runtime_for(args: argparse.Namespace, device: "torch.device") -> str:
+    """The --runtime to load with: under `auto`, torch where a flag that only torch honours is given, logged with the
+    reason where `auto` alone would pick the llama.cpp runtime for this model and device."""
+    given = torch_only_flags(args)
+    if args.runtime != "auto" or not given:
+        return args.runtime
+    from rbee_worker.models.loader import auto_runtime, names_gguf
+
+    if auto_runtime(names_gguf(args.model), device) == "llama.cpp":
+        reasons = "; ".join(f"{flag} was given and the llama.cpp runtime {why}" for flag, why in given.items())
+        log.info("runtime: torch, because %s", reasons)
+    return "torch"
+
+
+def quantize_for(args: argparse.Namespace, placement: "Placement") -> str:
+    """The --quantize to load with: under `auto`, an explicit --dtype other than the one the int4 / int8 kernels compute
+    in (bfloat16) loads every weight in that dtype (`none`) instead of keeping a GGUF file's quantized matrices, logged
+    with the reason for a GGUF file."""
+    from rbee_worker.models.dequant import KERNEL_DTYPE
+    from rbee_worker.models.loader import names_gguf
+
+    if args.quantize != "auto" or args.dtype == "auto" or placement.dtype == KERNEL_DTYPE:
+        return args.quantize
+    if names_gguf(args.model):
+        kernels = str(KERNEL_DTYPE).removeprefix("torch.")
+        log.info(
+            "quantize: none, because --dtype %s was given and the int4 / int8 kernels compute in %s",
+            args.dtype,
+            kernels,
+        )
+    return "none"
 
 
 def compile_model(placement: "Placement", args: argparse.Namespace) -> bool:

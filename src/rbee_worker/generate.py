@@ -7,6 +7,7 @@ import logging
 import sys
 
 from rbee_worker.api.requests import sampling_params
+from rbee_worker.cli import quantize_for, runtime_for
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
@@ -21,8 +22,9 @@ def generate(args: argparse.Namespace) -> int:
     """Load the model, run the prompt, print the text as it comes (or one JSON object with --json); raises
     GenerationError for a request the engine refuses or fails."""
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
     engine = Engine(
-        lambda: load_model(args.model, placement, quantize=args.quantize, runtime=args.runtime),
+        lambda: load_model(args.model, placement, quantize=quantize, runtime=runtime),
         EngineConfig(deterministic=args.deterministic, threads=args.threads),
     )
     try:

@@ -74,13 +74,25 @@ def check_runtime(runtime: str, device: torch.device) -> None:
         )
 
 
+def auto_runtime(gguf: bool, device: torch.device) -> str:
+    """What `--runtime auto` picks: llama.cpp for a GGUF file on cpu or mps where llama-cpp-python is installed, torch
+    otherwise."""
+    return "llama.cpp" if gguf and device.type in LLAMA_CPP_DEVICES and llama_cpp_installed() else "torch"
+
+
+def names_gguf(spec: str) -> bool:
+    """Whether MODEL as given names a GGUF file (`demo` does, a hub id names a directory), read without fetching the
+    demo or looking up the hub cache."""
+    path = Path(spec).expanduser()
+    return spec == "demo" or (path.is_file() and is_gguf(path))
+
+
 def resolve_runtime(runtime: str, path: Path, gguf: bool, device: torch.device) -> str:
-    """The runtime that runs the model: `auto` is llama.cpp for a GGUF file on cpu or mps where llama-cpp-python is
-    installed, torch otherwise; an explicit llama.cpp must have a GGUF file, a device it serves and the package."""
+    """The runtime that runs the model: `auto` as auto_runtime says; an explicit llama.cpp must have a GGUF file, a
+    device it serves and the package."""
     check_runtime(runtime, device)
     if runtime == "auto":
-        usable = gguf and device.type in LLAMA_CPP_DEVICES and llama_cpp_installed()
-        return "llama.cpp" if usable else "torch"
+        return auto_runtime(gguf, device)
     if runtime == "llama.cpp" and not gguf:
         raise ModelLoadError(
             f"--runtime llama.cpp runs GGUF files, and {path.name} is not one: use --runtime torch (or auto) for it"
