@@ -446,7 +446,8 @@ def quantize_for(args: argparse.Namespace, placement: "Placement") -> str:
 
 def compile_model(placement: "Placement", args: argparse.Namespace) -> bool:
     """--compile, by default on where the compiled layers run inside CUDA graphs. Outside graphs each compiled frame
-    checks its guards on every call (32 layers x 4 frames a step), which costs what the fusion saves."""
+    checks its guards on every call, every layer's frames each step, which costs about what the fusion saves
+    (bench/results/README.md)."""
     if args.compile is not None:
         return args.compile
     return placement.device.type == "cuda" and args.cuda_graphs and not args.deterministic

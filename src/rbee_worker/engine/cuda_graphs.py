@@ -1,6 +1,6 @@
 """Forwards replayed as CUDA graphs: one launch for the whole forward instead of a thousand kernel launches driven
-from Python, which is what bounds a decode step of a model that fits a GPU (and, measured on an H200, a 512-token
-prefill of an 8B model too: its kernels took 16 ms of GPU time, launching them from Python 20 to 40 ms).
+from Python, which is what bounds a decode step of a model that fits a GPU, and even a long prompt's forward of a
+large model, whose kernels finish sooner than Python can launch them (bench/results/README.md).
 
 A graph has fixed shapes, so inputs are padded up to buckets. Decode steps: the batch to the next of ROW_BUCKETS (rows
 beyond the running sequences are the cache's scratch rows, as in any decode step) and the attention span to the next
@@ -70,7 +70,7 @@ class DecodeGraphs:
         self.span_buckets = [*spans, cache.slot_len]
         rows = cache.slots
         # The graphs' inputs, token / position / length / chained flag of each row, written by one copy from pinned
-        # host memory (three pageable copies cost more than the rest of the host's work on a step). Two host
+        # host memory (three pageable copies would cost more than the rest of the host's work on a step). Two host
         # buffers, used in turn: the copy out of one may still be queued behind a step that runs while the host
         # fills the other.
         self.inputs = torch.zeros(4, rows, dtype=torch.long, device=device)

@@ -204,8 +204,8 @@ class TorchRunner:
         """Whether prompt forwards skip the compiled forward: on a CPU. There only decode steps are compiled. A prompt
         forward holds enough tokens that the Python around its kernels costs little; a long one runs faster eagerly,
         where its int4 / int8 products dequantize their matrices for oneDNN (dequant.cpu_product_dequantizes), which
-        compiled they cannot; and every class of prompt shapes would take another whole-model compilation at start-up
-        (12 to 63 s each on 2 cores, for 4 of the 6 classes)."""
+        compiled they cannot; and every class of prompt shapes would take another whole-model compilation at start-up,
+        each a long one on a CPU (bench/results/README.md)."""
         return self._compile and self.device.type == "cpu"
 
     def _decode_step(self, tokens: list[int], positions: list[int], lengths: list[int], first: int) -> torch.Tensor:
@@ -283,9 +283,9 @@ class TorchRunner:
             self.prefill_graphs.warm_up()
         if self._compile and not self._eager_prompts:
             # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
-            # of two lengths (it took the first length it met for a constant); on a GPU, where first chunks run as
-            # graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's kernels guard on
-            # that alignment: 17-token prompts batched together recompiled for seconds after ready).
+            # of two lengths (with one, it takes the first length it meets for a constant); on a GPU, where first
+            # chunks run as graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's
+            # kernels guard on that alignment, so a batch of unaligned prompts would otherwise recompile after ready).
             for count in (1, 16, 24):
                 self._prompt_forward([PromptRow(0, [0] * count, 0, False)])
             for count in (48, 17):
@@ -311,6 +311,6 @@ def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
-    """The name of forward's cache argument: transformers renamed `past_key_values` to `cache` in 5.2x, and the GPU
-    machines still run 5.17."""
+    """The name of forward's cache argument: transformers 5.2x names it `cache`, earlier versions `past_key_values`;
+    both are supported."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

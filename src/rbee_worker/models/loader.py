@@ -24,7 +24,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # One load at a time per process: transformers' from_pretrained swaps process-wide state while it runs
 # (`PreTrainedModel.tie_weights` by a no-op, torch's default dtype) and puts back what it found, so two loads in
 # parallel threads (two Engines) can leave tying disabled for good: the next model with tied embeddings then loads
-# without its LM head. Seen with transformers 5.24, in 1 to 4 rounds of two concurrent loads.
+# without its LM head (transformers 5.24; bench/results/README.md).
 _LOADING = threading.Lock()
 
 
