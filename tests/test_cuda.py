@@ -135,6 +135,51 @@ def test_compiled_engine_compiles_nothing_after_ready(random_llama: Path) -> Non
         engine.close()
 
 
+def test_every_sampling_mode_runs_on_graphs_and_kernels_made_before_ready(
+    random_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After ready, the first request of every sampling mode (greedy, sampled, top-k, penalties greedy and sampled,
+    logprobs greedy and sampled, seeded), alone and eight at once, captures no CUDA graph and compiles no Triton
+    kernel: start-up made them all."""
+    from triton.runtime.jit import JITFunction
+
+    engine = Engine(
+        functools.partial(load_model, str(random_llama), Placement(CUDA, torch.bfloat16)),
+        EngineConfig(max_batch=8, kv_cache_bytes=8 << 20),  # slots of 1024 tokens: spans 128 to 1024
+    )
+    try:
+        graphs = engine.loaded and engine._runner.graphs
+        captured = set(graphs.graphs)
+        compiled: list[str] = []
+        do_compile = JITFunction._do_compile
+
+        def counting(self: JITFunction, *args: object, **kwargs: object) -> object:
+            compiled.append(self.fn.__name__)
+            return do_compile(self, *args, **kwargs)
+
+        monkeypatch.setattr(JITFunction, "_do_compile", counting)
+        modes = [
+            (SamplingParams(temperature=0), None),
+            (SamplingParams(temperature=0.7, top_p=0.9), None),
+            (SamplingParams(temperature=0.7, top_p=0.9, top_k=50), None),
+            (SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1), None),
+            (SamplingParams(temperature=0, repetition_penalty=1.1), None),
+            (SamplingParams(temperature=0.7, top_p=0.9), 5),
+            (SamplingParams(temperature=0), 5),
+            (SamplingParams(temperature=0.7, min_p=0.1, presence_penalty=0.5), 2),
+        ]
+        for sampling, logprobs in modes:
+            ids = tuple(range(100, 117))
+            request = functools.partial(Request, max_tokens=40, sampling=sampling, logprobs=logprobs, ignore_eos=True)
+            alone = [request(ids, seed=1)]
+            together = [request(ids[: 9 + i]) for i in range(8)]
+            for requests in (alone, together):
+                assert all(len(tokens) == 40 for tokens in submit_together(engine, requests, timeout=300))
+        assert set(graphs.graphs) == captured and compiled == []
+    finally:
+        engine.close()
+
+
 def test_decode_steps_launched_ahead_give_the_tokens_of_waiting_for_each(random_llama: Path) -> None:
     """With CUDA graphs, a greedy step is launched before the host reads the previous one, its tokens chained on the
     GPU: every kind of request gets the tokens of an engine that waits for every step (no graphs); fp32 with peaked

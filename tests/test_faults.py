@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+import torch
 from serving import LONG, PROMPT, Manager, Stream, execute, launch
 
 STREAMS = 3
@@ -116,3 +118,28 @@ def test_a_bug_in_output_processing_is_an_internal_error_of_its_request(tmp_path
     assert code == 0
     log = worker.stderr()
     assert "internal error while processing the output" in log and "Traceback" in log and "KeyError" in log
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_error_that_persists_makes_the_worker_unhealthy_and_exit(tmp_path: Path) -> None:
+    """A device-side assert in the 30th decode step leaves the CUDA context unusable: every request in flight ends
+    with an error event, /health says unhealthy within 2 s, and the worker exits non-zero within 10 s."""
+    worker = launch(tmp_path, "--device", "cuda", "--no-compile", fault="cuda:30")
+    try:
+        worker.wait_healthy(timeout=300)
+        streams = execute_together(worker.url, STREAMS, LONG)
+        failed_at = time.monotonic()
+        for stream in streams:
+            assert stream.terminal["type"] == "error" and stream.terminal["code"] == "INFERENCE_FAILED", stream.events
+            assert "CUDA" in stream.terminal["message"]
+        try:
+            health = httpx.get(f"{worker.url}/health", timeout=2)
+            assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        except httpx.TransportError:  # already exited
+            pass
+        assert time.monotonic() - failed_at < 2
+        worker.process.wait(timeout=10)
+    finally:
+        if worker.process.poll() is None:
+            worker.process.kill()
+    assert worker.process.returncode not in (0, None), worker.stderr()

@@ -27,15 +27,26 @@ def bucket(value: int, buckets: list[int]) -> int:
 
 
 def graph_features(features: SamplerFeatures) -> SamplerFeatures:
-    """The sampler stages of the graph that runs a decode step needing `features`. A sampled step runs top-k, top-p
-    and the penalties whatever its rows ask (each a no-op for a row without it: top_k = the vocabulary, penalties 1
-    and 0), and a step with logprobs computes MAX_TOP_LOGPROBS alternatives (a row reads the ones it asked for). So
-    two graphs per (rows, span), captured before ready, serve every mix of chat settings, instead of a graph per
-    combination captured when a request first brings it, which stalls every running stream for the capture."""
+    """The sampler stages of the graph that runs a decode step needing `features`. A step of greedy rows without
+    penalties runs the greedy graph; any other runs top-k, top-p and the penalties whatever its rows ask (each a
+    no-op for a row without it: top_k = the vocabulary, penalties 1 and 0; a greedy row takes the argmax after its
+    penalties), and a step with logprobs computes MAX_TOP_LOGPROBS alternatives (a row reads the ones it asked for).
+    So the four GRAPH_KINDS per (rows, span), captured before ready, serve every mix of settings, instead of a graph
+    per combination captured when a request first brings it, which stalls every running stream for the capture."""
     logprobs = -1 if features.top_logprobs < 0 else MAX_TOP_LOGPROBS
-    if not features.sampling:
-        return SamplerFeatures(penalties=features.penalties, masks=features.masks, top_logprobs=logprobs)
+    if not (features.sampling or features.penalties):
+        return SamplerFeatures(masks=features.masks, top_logprobs=logprobs)
     return SamplerFeatures(top_k=True, penalties=True, masks=features.masks, top_logprobs=logprobs)
+
+
+# Every graph_features value a request can bring (logits masks have no caller yet): greedy and sampled, each with and
+# without logprobs.
+GRAPH_KINDS = [
+    SamplerFeatures(),
+    SamplerFeatures(top_logprobs=MAX_TOP_LOGPROBS),
+    SamplerFeatures(top_k=True, penalties=True),
+    SamplerFeatures(top_k=True, penalties=True, top_logprobs=MAX_TOP_LOGPROBS),
+]
 
 
 class LaunchedStep:
@@ -88,15 +99,13 @@ class DecodeGraphs:
         ] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def warm_up(self, max_span: int, features: list[SamplerFeatures]) -> None:
-        """Capture every batch bucket for the spans up to max_span with the graph of each of `features`
-        (graph_features), so that no request of those kinds pays for a capture."""
-        kinds = dict.fromkeys(graph_features(kind) for kind in features)
+    def warm_up(self) -> None:
+        """Capture the graph of every batch bucket, span bucket and kind (GRAPH_KINDS), so that no request pays for a
+        capture."""
         for rows in self.row_buckets:
             for span in self.span_buckets:
-                if span <= max(max_span, MIN_SPAN):
-                    for kind in kinds:
-                        self._graph(rows, span, kind)
+                for kind in GRAPH_KINDS:
+                    self._graph(rows, span, kind)
 
     def shape(self, count: int, longest: int) -> tuple[int, int]:
         """The (rows, span) bucket of a step over `count` rows whose longest attends to `longest` positions."""
@@ -254,4 +263,5 @@ def capture(step: Callable[[], Output], pool: object) -> tuple[torch.cuda.CUDAGr
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = step()
+    graph.replay()  # a graph's first launch uploads it: done here, not in a request's time
     return graph, output

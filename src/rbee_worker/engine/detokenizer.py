@@ -10,6 +10,17 @@ character), and a matched stop string and everything after it are never released
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerFast
+
+
+def token_texts(tokenizer: PreTrainedTokenizerFast) -> dict[int, str]:
+    """Every token's own text, as `tokenizer.decode([id])` gives it (a partial UTF-8 character decodes to U+FFFD),
+    decoded in one batch by the Rust tokenizer."""
+    ids = [[i] for i in range(len(tokenizer))]
+    texts = tokenizer.backend_tokenizer.decode_batch(ids, skip_special_tokens=False)
+    if tokenizer.clean_up_tokenization_spaces:
+        texts = [tokenizer.clean_up_tokenization(text) for text in texts]
+    return dict(enumerate(texts))
 
 
 class Detokenizer:

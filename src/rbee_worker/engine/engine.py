@@ -12,7 +12,6 @@ thread: the worker reports itself unhealthy and stops, so that the pool manager 
 """
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
@@ -23,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import torch
 
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.detokenizer import Detokenizer
+from rbee_worker.engine.detokenizer import Detokenizer, token_texts
 from rbee_worker.engine.mailbox import LoopMailbox
 from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
 from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
@@ -79,6 +78,7 @@ class Engine:
         self._load, self._make_runner = load, runner
         self._loaded: LoadedModel | None = None
         self._token_texts: dict[int, str] = {}
+        self._vocab_size = 0
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
@@ -140,18 +140,22 @@ class Engine:
         return self.loaded.tokenizer.decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
-        """One token's own text (a partial UTF-8 character decodes to U+FFFD), decoded once per id: logprobs ask for
-        six tokens' texts per generated token (the chosen one and the top five), a tokenizer call each otherwise."""
+        """One token's own text (a partial UTF-8 character decodes to U+FFFD): the tokenizer's whole vocabulary is
+        decoded at load, an id beyond it once when first asked for. Logprobs ask for six tokens' texts per generated
+        token (the chosen one and the top five), a tokenizer call each otherwise."""
+        self.loaded  # noqa: B018 -- waits for the load
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.loaded.tokenizer.decode([token_id])
         return text
 
-    @functools.cached_property
+    @property
     def vocab_size(self) -> int:
-        # Counted once: len() of a fast tokenizer asks the Rust tokenizer to count its vocabulary with the added
-        # tokens at every call, a cost that some tokenizers builds make a large part of a request's host time.
-        return len(self.loaded.tokenizer)
+        """The tokenizer's vocabulary, added tokens included, counted at load: len() of a fast tokenizer asks the Rust
+        tokenizer to count it at every call, a cost that some tokenizers builds make a large part of a request's host
+        time."""
+        self.loaded  # noqa: B018 -- waits for the load
+        return self._vocab_size
 
     @property
     def context_length(self) -> int:
@@ -314,6 +318,8 @@ class Engine:
             bytes_per_token = self._runner.kv.bytes_per_token
             self._output = OutputProcessor(info.eos_token_ids, bytes_per_token, self._retire, self._observer)
             self._steps = Steps(self._scheduler, self._runner, self._output)
+            self._token_texts = token_texts(self._runner.loaded.tokenizer)
+            self._vocab_size = len(self._token_texts)
             self._loaded = self._runner.loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc

@@ -11,6 +11,7 @@ without waiting for it (`launch`), and the next one may chain onto it (`chains`)
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
-from rbee_worker.engine.sampler import SamplerFeatures
+from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.slots import SlotSampling, kv_budget, slot_tokens
 from rbee_worker.models.loaded import LoadedModel
@@ -33,10 +34,9 @@ from rbee_worker.models.merged_linear import merge_projections
 
 log = logging.getLogger(__name__)
 
-GRAPH_WARM_SPAN = 2048  # decode graphs captured before ready: every batch bucket up to this attention span
-# The sampler stages that decode graphs are captured with before ready: greedy rows, and sampled ones (their graph
-# runs every sampled stage: cuda_graphs.graph_features). Steps with logprobs are captured when they first come.
-WARM_FEATURES = [SamplerFeatures(), SamplerFeatures(filters=True)]
+# On a GPU, a prompt forward of this many rows of this many tokens runs before ready, so that the first batch of
+# prompts does not load the eager prompt path's kernels.
+WARM_PROMPT_ROWS, WARM_PROMPT_TOKENS = 16, 32
 
 
 class _GraphStep:
@@ -243,10 +243,10 @@ class TorchRunner:
 
     def _prepare_forward(self) -> None:
         """Before the worker reports ready: with --compile, the forward through torch.compile (see compiled.py), run
-        once for each class of shapes so that no request waits for a compilation; on a GPU, the decode and first-chunk
-        graphs captured for the common shapes (of the compiled or the plain layers)."""
+        once for each class of shapes so that no request waits for a compilation; on a GPU, every decode graph and
+        first-chunk graph captured (of the compiled or the plain layers), and the kernels of the eager paths made."""
         graphs = self.config.cuda_graphs and not self.config.deterministic and self.device.type == "cuda"
-        if not (graphs or self._compile):
+        if not (self._compile or self.device.type == "cuda"):
             return
         started = time.perf_counter()
         with torch.inference_mode():
@@ -259,7 +259,7 @@ class TorchRunner:
                     self._compile = False
                     uncompile_model(self.model, self.cache)
                     self.graphs = self.prefill_graphs = None
-            if graphs and self.graphs is None:
+            if not self._compile:
                 self.warm_up(graphs)
         log.info(
             "prepared the %s forward in %.1f s (%d CUDA graphs)",
@@ -270,13 +270,14 @@ class TorchRunner:
         )
 
     def warm_up(self, graphs: bool) -> None:
-        """With `graphs`, capture the decode graphs up to GRAPH_WARM_SPAN (greedy and chat sampling) and the first-chunk
-        prefill graphs. Compiled layers also run the forwards that stay eager once (on a GPU prompt chunks of one and
-        two rows, of different lengths; without graphs decode steps of one and two rows), so that they are compiled for
-        any shape before the first request (tests/test_compile.py fails any compilation after ready)."""
+        """With `graphs`, capture every decode graph (each batch bucket, span bucket and sampler kind) and every
+        first-chunk prefill graph. Compiled layers also run the forwards that stay eager once (on a GPU prompt chunks
+        of one and two rows, of different lengths; without graphs decode steps of one and two rows), so that they are
+        compiled for any shape before the first request (tests/test_compile.py fails any compilation after ready). On
+        a GPU the eager paths run once too: a prompt forward of many rows and the sampler's every set of stages."""
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.cache, self.cache_kwarg, self.dtype, self.state)
-            self.graphs.warm_up(GRAPH_WARM_SPAN, WARM_FEATURES)
+            self.graphs.warm_up()
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.cache, self.cache_kwarg, self.dtype, self.config.prefill_chunk, self.graphs.pool
             )
@@ -297,7 +298,25 @@ class TorchRunner:
             for rows in range(1, min(self.cache.slots, 2) + 1):
                 self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
         if self.device.type == "cuda":
+            rows = min(self.cache.slots, WARM_PROMPT_ROWS)
+            self._prompt_forward([PromptRow(slot, [0] * WARM_PROMPT_TOKENS, 0, False) for slot in range(rows)])
+            self._warm_sampler()
             torch.cuda.synchronize(self.device)
+
+    def _warm_sampler(self) -> None:
+        """The sampler's eager path (a prompt's first token; every token without graphs) launches Triton kernels
+        that are compiled at their first launch, one for each set of stages and logits dtype: each set runs once
+        here, on a row that changes no slot's state."""
+        logits = torch.randn(1, self.vocab_size, device=self.device).to(self.dtype)
+        slots = torch.zeros(1, dtype=torch.long, device=self.device)
+        live = torch.zeros(1, dtype=torch.bool, device=self.device)
+        stages = {
+            SamplerFeatures(sampling, penalties, filters, top_k, top_logprobs=logprobs)
+            for sampling, penalties, filters, top_k in itertools.product((False, True), repeat=4)
+            for logprobs in (-1, MAX_TOP_LOGPROBS)
+        }
+        for features in stages:
+            sample(logits, self.state, slots, live, features)
 
 
 def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
