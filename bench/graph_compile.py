@@ -24,8 +24,8 @@ from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.compiled import compile_model
 from rbee_worker.engine.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.kv_cache import SlotCache
-from rbee_worker.engine.torch_runner import cache_kwarg
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState
+from rbee_worker.engine.torch_runner import cache_kwarg
 from rbee_worker.models.loader import load_model
 
 SHAPES = ((1, 1024), (64, 1024))

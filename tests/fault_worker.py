@@ -9,47 +9,59 @@ FAULT is one of:
 """
 
 import sys
+from collections.abc import Callable
 
 import torch
 
 from rbee_worker import cli
+from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.output import OutputProcessor
 from rbee_worker.engine.torch_runner import TorchRunner
 
 
 def inject(fault: str, n: int) -> None:
-    calls = 0
+    """Arm the fault once the engine's warm-up before ready is done: calls are counted from the first request on."""
+    armed, calls = False, 0
+    warm_up = Engine._warm_up
 
-    def counted(method, error: Exception, every_call_from_n: bool):
-        def wrapper(*args: object, **kwargs: object) -> object:
+    def arming(engine: Engine) -> None:
+        nonlocal armed
+        warm_up(engine)
+        armed = True
+
+    Engine._warm_up = arming
+
+    def counted(method, fail: Callable[[object], None], every_call_from_n: bool):
+        def wrapper(self: object, *args: object, **kwargs: object) -> object:
             nonlocal calls
-            calls += 1
-            if calls == n or (every_call_from_n and calls > n):
-                raise error
-            return method(*args, **kwargs)
+            calls += armed
+            if armed and (calls == n or (every_call_from_n and calls > n)):
+                fail(self)
+            return method(self, *args, **kwargs)
 
         return wrapper
+
+    def raising(error: Exception) -> Callable[[object], None]:
+        def fail(_: object) -> None:
+            raise error
+
+        return fail
 
     if fault in ("once", "poison"):
         from rbee_worker.engine.llama_cpp_runner import DecodeFailed, LlamaCppRunner  # llama-cpp-python: not everywhere
 
     if fault == "once":
-        LlamaCppRunner.step = counted(LlamaCppRunner.step, RuntimeError("injected failure"), False)
+        LlamaCppRunner.step = counted(LlamaCppRunner.step, raising(RuntimeError("injected failure")), False)
     elif fault == "poison":
-        LlamaCppRunner.step = counted(LlamaCppRunner.step, DecodeFailed(-3), True)
+        LlamaCppRunner.step = counted(LlamaCppRunner.step, raising(DecodeFailed(-3)), True)
     elif fault == "output":
-        OutputProcessor.token = counted(OutputProcessor.token, KeyError("injected bug"), False)
+        OutputProcessor.token = counted(OutputProcessor.token, raising(KeyError("injected bug")), False)
     elif fault == "cuda":
-        launch = TorchRunner.launch
 
-        def poisoning(self: TorchRunner, *args: object) -> object:
-            nonlocal calls
-            calls += 1
-            if calls == n:
-                torch.zeros(1, device=self.device)[torch.tensor([1 << 20], device=self.device)].item()
-            return launch(self, *args)
+        def out_of_bounds(runner: TorchRunner) -> None:
+            torch.zeros(1, device=runner.device)[torch.tensor([1 << 20], device=runner.device)].item()
 
-        TorchRunner.launch = poisoning
+        TorchRunner.launch = counted(TorchRunner.launch, out_of_bounds, False)
     else:
         raise SystemExit(f"unknown fault {fault}")
 

@@ -1,6 +1,7 @@
 """CUDA parity on a random-weight Llama (fixed seed, demo tokenizer). Skipped where there is no CUDA GPU (CI)."""
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request, Token
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
+from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.loader import load_model
 from rbee_worker.models.merged_linear import stack
 
@@ -43,6 +45,16 @@ def random_llama(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: P
         num_key_value_heads=2,
         initializer_range=0.1,
     )
+
+
+def one_after_another(load: Callable[[], LoadedModel], configs: list[EngineConfig]) -> list[Engine]:
+    """Engines started in turn, each loaded before the next starts: a CUDA graph capture (while an engine loads)
+    fails on another thread's CUDA work."""
+    engines = []
+    for config in configs:
+        engines.append(Engine(load, config))
+        engines[-1].loaded  # noqa: B018 -- waits for the load
+    return engines
 
 
 def last_logits(loaded, prompt: str) -> torch.Tensor:
@@ -184,17 +196,12 @@ def test_decode_steps_launched_ahead_give_the_tokens_of_waiting_for_each(random_
     """With CUDA graphs, a greedy step is launched before the host reads the previous one, its tokens chained on the
     GPU: every kind of request gets the tokens of an engine that waits for every step (no graphs); fp32 with peaked
     logits, so rounding cannot flip a choice."""
-    engines = {
-        graphs: Engine(
-            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
-            EngineConfig(cuda_graphs=graphs),
-        )
-        for graphs in (False, True)
-    }
+    load = functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32))
+    engines = one_after_another(load, [EngineConfig(cuda_graphs=False), EngineConfig(cuda_graphs=True)])
     try:
-        assert_launched_ahead_as_waiting(waiting=engines[False], ahead=engines[True], prompts=PROMPTS)
+        assert_launched_ahead_as_waiting(waiting=engines[0], ahead=engines[1], prompts=PROMPTS)
     finally:
-        for engine in engines.values():
+        for engine in engines:
             engine.close()
 
 
@@ -202,16 +209,10 @@ def test_first_prompt_chunks_replay_as_graphs_with_the_eager_logits(random_llama
     """A request's first prompt chunk runs as a prefill graph (right-padded to its bucket) and gives the logits of the
     eager forward over the same tokens (fp32), for lengths at, below and above a bucket's edge; a prompt longer than
     a chunk (its second chunk eager, after the graph's) decodes the same tokens as an engine without graphs."""
-    engines = [
-        Engine(
-            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
-            EngineConfig(cuda_graphs=graphs, prefill_chunk=256),  # the model's context is 512: room for two chunks
-        )
-        for graphs in (True, False)
-    ]
+    load = functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32))
+    # The model's context is 512: room for two chunks.
+    engines = one_after_another(load, [EngineConfig(cuda_graphs=g, prefill_chunk=256) for g in (True, False)])
     try:
-        for engine in engines:
-            engine.loaded  # noqa: B018 -- the graphs are captured while loading
         graphs = engines[0]._runner.prefill_graphs
         assert graphs is not None and engines[1]._runner.prefill_graphs is None
         with torch.inference_mode():
@@ -232,13 +233,10 @@ def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
     """With KV slots of 200 tokens the chunk buckets stop at 128 (a 256 bucket could not be read back): a 150-token
     prompt runs eagerly, a 100-token one as a graph, and both decode as an engine without graphs."""
     per_token = 2 * 4 * 2 * 32 * 4  # keys and values, 4 layers, 2 key/value heads of 32, float32
-    engines = [
-        Engine(
-            functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32)),
-            EngineConfig(cuda_graphs=graphs, max_batch=1, kv_cache_bytes=200 * per_token),
-        )
-        for graphs in (True, False)
-    ]
+    load = functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32))
+    engines = one_after_another(
+        load, [EngineConfig(cuda_graphs=g, max_batch=1, kv_cache_bytes=200 * per_token) for g in (True, False)]
+    )
     try:
         assert engines[0].context_length == 200
         assert engines[0]._runner.prefill_graphs.buckets == [16, 32, 64, 128]

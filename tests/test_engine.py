@@ -14,8 +14,8 @@ from rbee_worker.devices import resolve_placement
 from rbee_worker.engine import cuda_graphs
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
-from rbee_worker.engine.torch_runner import TorchRunner
 from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.torch_runner import TorchRunner
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.loader import load_model
