@@ -26,16 +26,10 @@ from pathlib import Path
 
 import httpx
 
+from rbee_worker.benchmark.peers import SAMPLING_MODES
 from rbee_worker.benchmark.run import build_spec, machine, start_worker, stream_completion
 
-CHAT = {"temperature": 0.7, "top_p": 0.9}
-MODES = {
-    "greedy": {"temperature": 0.0},
-    "chat": CHAT,
-    "chat+top_k50": CHAT | {"top_k": 50},
-    "chat+repetition1.1": CHAT | {"repetition_penalty": 1.1},
-    "chat+logprobs5": CHAT | {"logprobs": 5},
-}
+MODES = SAMPLING_MODES
 COLD_RATIO_MAX = 1.1  # the first round's time over the last's, wanted at most this
 LOGPROBS_MIN = 0.85  # chat+logprobs5's steady aggregate over greedy's at --concurrency, wanted at least this
 # Start-up lines of the worker's log kept in the JSON (messages starting so); every warning and error is kept too.

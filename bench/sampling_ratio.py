@@ -17,16 +17,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from rbee_worker.benchmark.peers import SAMPLING_MODES
 from rbee_worker.benchmark.run import build_spec, machine, measure_worker, run_peer, start_worker
 
-CHAT = {"temperature": 0.7, "top_p": 0.9}
-MODES = {
-    "greedy": {"temperature": 0.0},
-    "chat": CHAT,
-    "chat+top_k50": CHAT | {"top_k": 50},
-    "chat+repetition1.1": CHAT | {"repetition_penalty": 1.1},
-    "chat+logprobs5": CHAT | {"logprobs": 5},
-}
+MODES = SAMPLING_MODES
 
 
 def main() -> None:

@@ -171,6 +171,12 @@ def token_ids(events: list[Event]) -> list[int]:
     return [i for e in events if isinstance(e, Token) for i in e.token_ids]
 
 
+def assert_own_tokens(received: dict[str, list[Event]], batch: list[Request]) -> None:
+    """Each request got the tokens its prompt alone gives, as many as it asked for."""
+    for request in batch:
+        assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+
+
 KINDS = ["eager", "mixed", "async"]
 
 
@@ -212,8 +218,7 @@ def test_a_stop_string_ends_a_request_while_its_next_step_runs(loaded: LoadedMod
         end = received["stopped"][-1]
         assert isinstance(end, End) and end.stop_reason is StopReason.STOP_SEQUENCE
         assert token_ids(received["stopped"]) == tokens[: stop_at + 1] and end.tokens_out == stop_at + 1
-        for request in batch:
-            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert_own_tokens(received, batch)
         assert runner.wrong == []
     finally:
         engine.close()
@@ -241,8 +246,7 @@ def test_a_cancelled_request_frees_its_slot_for_the_next(loaded: LoadedModel, ki
         end = long[-1]
         assert isinstance(end, End) and end.stop_reason is StopReason.CANCELLED and 4 <= end.tokens_out < 10
         assert token_ids(long) == expected_tokens((1, 2), end.tokens_out)
-        for request in batch:
-            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert_own_tokens(received, batch)
         assert runner.wrong == []
     finally:
         engine.close()
@@ -265,8 +269,7 @@ def test_a_forward_that_fails_once_ends_the_requests_in_it_and_the_engine_goes_o
         assert engine.fault is None
         again = requests(3)
         received = run_together(engine, again)
-        for request in again:
-            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert_own_tokens(received, again)
     finally:
         engine.close()
 
@@ -308,8 +311,7 @@ def test_an_exception_in_output_processing_is_an_internal_error_of_that_request(
         received = run_together(engine, batch)
         error = received["r1"][-1]
         assert isinstance(error, Error) and error.code is ErrorCode.INTERNAL_ERROR and "a bug" in error.message
-        for request in (batch[0], *batch[2:]):
-            assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
+        assert_own_tokens(received, [batch[0], *batch[2:]])
         assert engine.fault is None and runner.wrong == []
     finally:
         engine.close()

@@ -29,6 +29,14 @@ CONCURRENCY = [1, 4, 16, 64]  # the bench's default stream counts
 # `--sampling`: greedy, or a chat client's usual settings. Every system gets only these filters (llama.cpp's own
 # default top_k 40 and min_p 0.05 are turned off), so all draw from the same distribution.
 SAMPLING = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "chat": {"temperature": 0.7, "top_p": 0.9}}
+# What bench/sampling_ratio.py and bench/cold_start.py run: greedy, chat, and chat with each costlier sampler stage.
+SAMPLING_MODES = {
+    "greedy": {"temperature": 0.0},
+    "chat": SAMPLING["chat"],
+    "chat+top_k50": SAMPLING["chat"] | {"top_k": 50},
+    "chat+repetition1.1": SAMPLING["chat"] | {"repetition_penalty": 1.1},
+    "chat+logprobs5": SAMPLING["chat"] | {"logprobs": 5},
+}
 
 
 def transformers_sampling(spec: dict) -> dict:

@@ -253,23 +253,15 @@ Output = TypeVar("Output")
 
 
 def capture(step: Callable[[], Output], pool: object) -> tuple[torch.cuda.CUDAGraph, Output]:
-    """`step` recorded as a graph in `pool`, and its output (static tensors that each replay overwrites).
-
-    It runs once on a side stream before the capture, as CUDA graphs require (the scratch position absorbs its
-    writes), then is captured on that stream. `torch.cuda.graph` would also synchronize the device, collect Python's
-    garbage and empty the allocator's cache for every graph, which costs more than the capture itself for each of the
-    hundreds of graphs made at start-up (vLLM turns the last two off while it captures); the stream ordering is all
-    a capture needs."""
+    """`step` recorded as a graph in `pool`, and its output (static tensors that each replay overwrites)."""
+    # Warm-up on a side stream before capture, as CUDA graphs require; the scratch position absorbs its writes.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         step()
-        graph.capture_begin(pool=pool)
-        try:
-            output = step()
-        finally:
-            graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
     graph.replay()  # a graph's first launch uploads it: done here, not in a request's time
     return graph, output

@@ -264,13 +264,7 @@ class Engine:
         self._inbox.put(None)
         self._thread.join()
         # A request that raced with close never reached the loop: end it rather than leave its caller waiting.
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Sequence):
-                self._retire(item, Error(item.request_id, ErrorCode.CANCELLED, "the engine shut down"))
+        self._end_inbox(ErrorCode.CANCELLED, "the engine shut down")
 
     @property
     def running_requests(self) -> int:
@@ -393,13 +387,17 @@ class Engine:
         error = self._fault_message()
         for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
             self._output.fail(sequence, ErrorCode.INFERENCE_FAILED, error)
+        self._end_inbox(ErrorCode.INFERENCE_FAILED, error)
+
+    def _end_inbox(self, code: ErrorCode, message: str) -> None:
+        """End every request still in the inbox with this error (cancellations there are moot)."""
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             if isinstance(item, Sequence):
-                self._retire(item, Error(item.request_id, ErrorCode.INFERENCE_FAILED, error))
+                self._retire(item, Error(item.request_id, code, message))
 
     def _fault_message(self) -> str:
         return f"the worker's device failed and the worker stops: {self._fault}"
