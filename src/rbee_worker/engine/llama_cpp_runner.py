@@ -21,7 +21,6 @@ import torch
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
-from rbee_worker.engine.sampler import SamplerFeatures
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.slots import SlotSampling, kv_budget, slot_tokens
 from rbee_worker.errors import ModelLoadError
@@ -99,9 +98,6 @@ class LlamaCppRunner:
         comes."""
         native.llama_memory_seq_rm(self._memory, slot, -1, -1)
         self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
-
-    def features(self, slots: Sequence[int]) -> SamplerFeatures:
-        return self.sampling.features(slots)
 
     # -- steps -------------------------------------------------------------------------------------------------------
 

@@ -2,11 +2,15 @@
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from rbee_worker.devices import tensor_bytes
+
+if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
+    from rbee_worker.models.llama_cpp_model import LlamaCppModel
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: PreTrainedModel  # on llama.cpp's runtime, a models.llama_cpp_model.LlamaCppModel
+    model: "PreTrainedModel | LlamaCppModel"  # which one: info.runtime
     tokenizer: PreTrainedTokenizerFast
     info: ModelInfo
 
