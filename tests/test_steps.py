@@ -225,6 +225,24 @@ def test_a_stop_string_ends_a_request_while_its_next_step_runs(loaded: LoadedMod
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_text_held_back_for_a_stop_string_comes_out_when_the_request_ends(loaded: LoadedModel, kind: str) -> None:
+    """Text that could begin a stop string is held back while it might; when the request ends at max_tokens without
+    the stop string, the rest comes out before End: the pieces add up to the whole text."""
+    engine, _ = start(loaded, kind)
+    try:
+        request = Request((3, 1, 4), max_tokens=9, request_id="held", stop=("w1 w2 w3 w4 w5 w6 w7 w8 w9 w1",))
+        events = run_together(engine, [request])["held"]
+        tokens = expected_tokens(request.prompt_ids, request.max_tokens)
+        assert isinstance(events[-1], End) and events[-1].stop_reason is StopReason.MAX_TOKENS
+        assert token_ids(events) == tokens
+        pieces = [e for e in events if isinstance(e, Token)]
+        assert "".join(e.text for e in pieces) == engine.detokenize(tuple(tokens))
+        assert pieces[-1].token_ids == () and pieces[-1].text  # the held text, released at the end
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_cancelled_request_frees_its_slot_for_the_next(loaded: LoadedModel, kind: str) -> None:
     """A request cancelled at its fourth token (between two steps, as a client that goes away) ends CANCELLED while
     the others run; a waiting request takes its slot and every request gets its own tokens."""

@@ -100,7 +100,7 @@ class OutputProcessor:
         """The sequence ends for `reason`: the text held back goes out (unless cancelled), then its End event."""
         output = sequence.output
         if reason is not StopReason.CANCELLED and (rest := output.detokenizer.finish()):
-            self._piece(sequence, rest, ())
+            self._piece(sequence, rest, (), ())
         now = time.perf_counter()
         first = output.first_token_at or now
         self._terminal(
