@@ -14,28 +14,18 @@ from collections.abc import Callable
 import torch
 
 from rbee_worker import cli
-from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.output import OutputProcessor
 from rbee_worker.engine.torch_runner import TorchRunner
 
 
 def inject(fault: str, n: int) -> None:
-    """Arm the fault once the engine's warm-up before ready is done: calls are counted from the first request on."""
-    armed, calls = False, 0
-    warm_up = Engine._warm_up
-
-    def arming(engine: Engine) -> None:
-        nonlocal armed
-        warm_up(engine)
-        armed = True
-
-    Engine._warm_up = arming
+    calls = 0
 
     def counted(method, fail: Callable[[object], None], every_call_from_n: bool):
         def wrapper(self: object, *args: object, **kwargs: object) -> object:
             nonlocal calls
-            calls += armed
-            if armed and (calls == n or (every_call_from_n and calls > n)):
+            calls += 1
+            if calls == n or (every_call_from_n and calls > n):
                 fail(self)
             return method(self, *args, **kwargs)
 

@@ -188,7 +188,6 @@ def test_each_request_gets_its_own_tokens_at_the_right_positions(
     """Eight requests of prompts up to 17 tokens (chunks of 8) and 1 to 12 tokens through three slots: each gets the
     tokens its prompt alone gives, every slot is fed its positions in order, and steps really ran ahead."""
     engine, runner = start(loaded, kind, deterministic=deterministic)
-    chained_in_warm_up = runner.chained
     try:
         batch = requests(8)
         received = run_together(engine, batch)
@@ -197,7 +196,7 @@ def test_each_request_gets_its_own_tokens_at_the_right_positions(
             assert token_ids(received[request.request_id]) == expected_tokens(request.prompt_ids, request.max_tokens)
             assert isinstance(end, End) and end.stop_reason is StopReason.MAX_TOKENS
         assert runner.wrong == []
-        assert (runner.chained > chained_in_warm_up) is (kind == "async")
+        assert (runner.chained > 0) is (kind == "async")
     finally:
         engine.close()
 
@@ -276,7 +275,7 @@ def test_a_forward_that_fails_once_ends_the_requests_in_it_and_the_engine_goes_o
 ) -> None:
     engine, runner = start(loaded, kind)
     try:
-        runner.fail_at[runner.calls + 4] = RuntimeError("boom")  # the engine's warm-up made the calls before
+        runner.fail_at[4] = RuntimeError("boom")
         batch = requests(6)
         received = run_together(engine, batch)
         failed = [r for r in batch if isinstance(received[r.request_id][-1], Error)]
@@ -296,7 +295,7 @@ def test_a_forward_that_fails_once_ends_the_requests_in_it_and_the_engine_goes_o
 def test_a_poisoning_fault_fails_every_request_and_stops_the_engine(loaded: LoadedModel, kind: str) -> None:
     engine, runner = start(loaded, kind, max_batch=2)
     try:
-        runner.fail_at[runner.calls + 3] = Poison("an illegal memory access")
+        runner.fail_at[3] = Poison("an illegal memory access")
         batch = [Request((1, 2, 3), max_tokens=10, request_id=f"r{i}") for i in range(5)]
         received = run_together(engine, batch)  # the two running and the three waiting
         for request in batch:

@@ -27,7 +27,7 @@ from rbee_worker.engine.mailbox import LoopMailbox
 from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
 from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
 from rbee_worker.engine.sampler import check_seed
-from rbee_worker.engine.sampling import SamplingParams, random_seed
+from rbee_worker.engine.sampling import random_seed
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
 from rbee_worker.engine.step import Steps
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason
@@ -314,8 +314,6 @@ class Engine:
             self._steps = Steps(self._scheduler, self._runner, self._output)
             self._token_texts = token_texts(self._runner.loaded.tokenizer)
             self._vocab_size = len(self._token_texts)
-            with torch.inference_mode():
-                self._warm_up()
             self._loaded = self._runner.loaded
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc
@@ -325,7 +323,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 while self._admit(block=len(self._scheduler) == 0):
-                    self._round(self._scheduler.schedule(), self._steps)
+                    self._round(self._scheduler.schedule())
                     self._last_progress = time.monotonic()
                 self._steps.collect_pending()
         except DeviceFault as fault:
@@ -335,38 +333,19 @@ class Engine:
             self._output.end(sequence, StopReason.CANCELLED)
         self._runner.close()
 
-    def _warm_up(self) -> None:
-        """Two short requests through the whole step loop before ready, one greedy, one sampled with every stage and
-        logprobs (scheduler, runner, output processing; no metric counts them, no log line reports them): a client's
-        first request then meets nothing made at first use."""
-        info, tokenizer = self._runner.loaded.info, self._runner.loaded.tokenizer.backend_tokenizer
-        output = OutputProcessor(info.eos_token_ids, 0, lambda sequence, _: self._scheduler.free(sequence))
-        steps = Steps(self._scheduler, self._runner, output)
-        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1)
-        for sampling, logprobs in ((SamplingParams(temperature=0.0), None), (sampled, 1)):
-            request = Request(
-                tuple(range(1, 9)), max_tokens=4, sampling=sampling, seed=0, logprobs=logprobs, ignore_eos=True
-            )
-            sequence = Sequence(request, 0, Output(lambda _: None, Detokenizer(tokenizer)))
-            self._scheduler.add(sequence)
-            while not sequence.finished:
-                self._round(self._scheduler.schedule(), steps)
-            steps.collect_pending()
-
-    def _round(self, plan: Plan, steps: Steps) -> None:
-        """One round of the plan through `steps`. A failure outside the runner's steps (a bug on the host) ends the
-        round's requests with INTERNAL_ERROR; one that the runner finds has left the device unusable raises
-        DeviceFault."""
+    def _round(self, plan: Plan) -> None:
+        """One round of the plan. A failure outside the runner's steps (a bug on the host) ends the round's requests
+        with INTERNAL_ERROR; one that the runner finds has left the device unusable raises DeviceFault."""
         try:
             for sequence in plan.abandoned:
-                steps.output.end(sequence, StopReason.CANCELLED)
+                self._output.end(sequence, StopReason.CANCELLED)
             for sequence in plan.started:
                 if not sequence.finished:
                     request = sequence.request
                     self._runner.assign(
                         sequence.slot, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
                     )
-            steps.run(plan)
+            self._steps.run(plan)
         except DeviceFault:
             raise
         except Exception as exc:
@@ -376,7 +355,7 @@ class Engine:
             for forward in plan.forwards:
                 for sequence in [c.sequence for c in forward.chunks] + forward.decode:
                     if not sequence.finished:
-                        steps.output.fail(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
+                        self._output.fail(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
 
     def _stop(self, reason: str) -> None:
         """The device is unusable: every request in flight (running, waiting, in the inbox) ends with an error, and
