@@ -547,7 +547,8 @@ def test_bearer_auth_and_correlation_ids(tmp_path: Path) -> None:
                 json={"job_id": "auth-1", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
                 headers={"Authorization": f"Bearer {token}"},
             )
-            assert streamed.status_code == 200 and '"type": "end"' in streamed.text
+            events = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines() if line]
+            assert streamed.status_code == 200 and events[-1]["type"] == "end"
 
             given = str(uuid.uuid4()).upper()
             echoed = http.get("/health", headers={"X-Correlation-ID": given})
