@@ -228,7 +228,7 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         if config.heartbeat_url and (error := await send_heartbeat(config.heartbeat_url, heartbeat_status())):
             log.warning("the unhealthy heartbeat to %s failed: %s", config.heartbeat_url, error)
         await until(lambda: not state.open_streams, FAULT_STREAMS_GRACE_S, None)
-        failures.insert(0, DeviceFault(f"the device failed: {engine.fault}"))
+        failures.insert(0, DeviceFault(engine.fault_message()))
         server.should_exit = True
 
     async def main() -> None:

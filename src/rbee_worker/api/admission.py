@@ -58,7 +58,7 @@ def ensure_open(state: WorkerState) -> None:
     """Raise Unhealthy, Draining or Loading unless the worker takes requests (the engine is loaded: it can
     tokenize)."""
     if state.engine.fault is not None:
-        raise Unhealthy(state.engine.fault)
+        raise Unhealthy(state.engine.fault_message())
     if state.draining:
         raise Draining()
     if not state.engine.is_loaded:

@@ -249,7 +249,7 @@ def native_error(exc: AdmissionError | InvalidJob) -> JSONResponse:
     if isinstance(exc, Loading):
         return error_response(503, "LOADING", "the model is still loading; retry shortly", retry_after=1)
     if isinstance(exc, Unhealthy):
-        return error_response(503, "UNHEALTHY", f"the worker's device failed and the worker stops: {exc}")
+        return error_response(503, "UNHEALTHY", str(exc))
     assert isinstance(exc, Draining), exc
     return error_response(503, "DRAINING", "the worker is shutting down and takes no new jobs")
 

@@ -194,7 +194,7 @@ def openai_error(exc: AdmissionError | ApiError) -> JSONResponse:
     elif isinstance(exc, Loading):
         exc = ApiError(503, "the model is still loading; retry shortly", kind="server_error", retry_after=1)
     elif isinstance(exc, Unhealthy):
-        exc = ApiError(503, f"the worker's device failed and the worker stops: {exc}", kind="server_error")
+        exc = ApiError(503, str(exc), kind="server_error")
     elif isinstance(exc, AllSlotsBusy):
         exc = ApiError(503, str(exc), kind="server_error", code="ALL_SLOTS_BUSY", retry_after=1)
     elif isinstance(exc, DuplicateJob):  # request ids are fresh UUIDs: only a bug gets here

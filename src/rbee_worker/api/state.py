@@ -56,7 +56,7 @@ class WorkerState:
     def unhealthy_reason(self) -> str:
         """Why the worker is unhealthy: its device failed, or the engine makes no progress."""
         if self.engine.fault is not None:
-            return f"the device failed and the worker stops: {self.engine.fault}"
+            return self.engine.fault_message()
         return (
             f"the engine has finished no step for {self.engine.seconds_without_progress():.1f} s with "
             f"{self.engine.in_flight} job(s) in flight"

@@ -110,6 +110,10 @@ class Engine:
         """Why the device is unusable, once a step found it so (the engine has stopped); None before."""
         return self._fault
 
+    def fault_message(self) -> str:
+        """What the callers of a failed device are told (every error event, /health, refused jobs)."""
+        return f"the worker's device failed and the worker stops: {self._fault}"
+
     @property
     def loaded(self) -> LoadedModel:
         """The model, once loaded (blocks until then); raises what loading raised."""
@@ -143,7 +147,6 @@ class Engine:
         """One token's own text (a partial UTF-8 character decodes to U+FFFD): the tokenizer's whole vocabulary is
         decoded at load, an id beyond it once when first asked for. Logprobs ask for six tokens' texts per generated
         token (the chosen one and the top five), a tokenizer call each otherwise."""
-        self.loaded  # noqa: B018 -- waits for the load
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.loaded.tokenizer.decode([token_id])
@@ -198,7 +201,7 @@ class Engine:
         sequence = Sequence(request, seed, output)
         with self._in_flight_lock:
             if self._fault is not None:
-                sink(Error(request.request_id, ErrorCode.INFERENCE_FAILED, self._fault_message()))
+                sink(Error(request.request_id, ErrorCode.INFERENCE_FAILED, self.fault_message()))
                 return
             if request.request_id in self._in_flight:
                 raise DuplicateRequest(f"request {request.request_id} is already running")
@@ -289,8 +292,7 @@ class Engine:
         """The share of the KV cache's token positions that running requests hold; 0 before the model is loaded."""
         if self._runner is None or self._scheduler is None:
             return 0.0
-        kv = self._runner.kv
-        return self._scheduler.kv_positions() / (kv.slots * kv.tokens_per_slot)
+        return self._scheduler.kv_positions() / self._runner.kv.tokens
 
     def memory_bytes(self) -> int:
         """Measured device memory in use: the weights plus the KV cache (the runner says how it measures them)."""
@@ -363,7 +365,7 @@ class Engine:
         log.error("the device is unusable; failing every request and stopping: %s", reason)
         with self._in_flight_lock:
             self._fault = reason
-        error = self._fault_message()
+        error = self.fault_message()
         for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
             self._output.fail(sequence, ErrorCode.INFERENCE_FAILED, error)
         self._end_inbox(ErrorCode.INFERENCE_FAILED, error)
@@ -377,9 +379,6 @@ class Engine:
                 return
             if isinstance(item, Sequence):
                 self._retire(item, Error(item.request_id, code, message))
-
-    def _fault_message(self) -> str:
-        return f"the worker's device failed and the worker stops: {self._fault}"
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""

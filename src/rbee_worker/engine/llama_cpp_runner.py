@@ -119,7 +119,7 @@ class LlamaCppRunner:
 
     def kv_bytes(self) -> int:
         """All of it: llama.cpp allocates and clears the whole cache when the context is created."""
-        return self.kv.slots * self.kv.tokens_per_slot * self.kv.bytes_per_token
+        return self.kv.bytes
 
     def memory_bytes(self) -> int:
         return self.loaded.info.weight_bytes + self.kv_bytes()

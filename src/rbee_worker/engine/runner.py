@@ -9,7 +9,7 @@ runner computes a step is its own affair; what differs between runners that the 
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.sampling import SamplingParams
@@ -63,6 +63,16 @@ class KvGeometry:
     tokens_per_slot: int
     bytes_per_token: int
 
+    @property
+    def tokens(self) -> int:
+        """Token positions in all the slots together."""
+        return self.slots * self.tokens_per_slot
+
+    @property
+    def bytes(self) -> int:
+        """The whole cache's size."""
+        return self.tokens * self.bytes_per_token
+
 
 class Launched(Protocol):
     """A decode step handed to the runner; `Runner.collect` gives its tokens."""
@@ -77,7 +87,7 @@ class Finished:
     """A step computed before `launch` returned (every runner without asynchronous steps)."""
 
     sampled: list[Sampled]
-    ready: bool = True
+    ready: ClassVar[bool] = True
 
 
 class DeviceFault(RuntimeError):

@@ -75,14 +75,16 @@ class Steps:
         is taken again. Where the runner cannot chain this step, the previous one is collected first."""
         pending, self._pending = self._pending, None
         live = [s for s in sequences if self.scheduler.wants_token(s)]
-        if pending and not (live and self.runner.chains(_chained_rows(live))):
+        rows = _decode_rows(live)
+        if pending and not (rows and self.runner.chains(rows)):
             self._collect(pending)
             pending = None
             live = [s for s in sequences if self.scheduler.wants_token(s)]
+            rows = _decode_rows(live)
         launched = None
         if live:
             with self._failing(live):
-                launched = _Launched(live, self.runner.launch(_chained_rows(live)))
+                launched = _Launched(live, self.runner.launch(rows))
                 for sequence in live:
                     sequence.launched += 1
         if pending:
@@ -155,12 +157,7 @@ def _prompt_rows(chunks: list[Chunk]) -> list[PromptRow]:
     return [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
 
 
-def _chained_rows(sequences: list[Sequence]) -> list[DecodeRow]:
-    """Rows of a decode step that may be launched before the previous step is collected: a row whose previous token
-    is still on its way chains onto it, at the position after it."""
-    return [DecodeRow(s.slot, s.output_ids[-1], s.cached + s.launched, s.launched > 0) for s in sequences]
-
-
 def _decode_rows(sequences: list[Sequence]) -> list[DecodeRow]:
-    """Each sequence's last token fed at its next position (rows of a step computed at once: nothing chained)."""
-    return [DecodeRow(s.slot, s.output_ids[-1], s.cached) for s in sequences]
+    """Each sequence's last token fed at its next position; a row whose previous token is still on its way (a step
+    launched and not collected) chains onto it, at the position after it."""
+    return [DecodeRow(s.slot, s.output_ids[-1], s.cached + s.launched, s.launched > 0) for s in sequences]

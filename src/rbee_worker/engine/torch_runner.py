@@ -145,7 +145,7 @@ class TorchRunner:
     def kv_bytes(self) -> int:
         """All of the cache on a GPU (allocated at start); on a CPU the part touched so far."""
         if self.device.type == "cuda":
-            return self.kv.slots * self.kv.tokens_per_slot * self.kv.bytes_per_token
+            return self.kv.bytes
         return self.cache.resident_bytes
 
     def memory_bytes(self) -> int:
