@@ -11,6 +11,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 from types import FrameType
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -239,6 +240,7 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
                 signal.signal(sig, lambda *_: loop.call_soon_threadsafe(request_shutdown))
         tasks = [asyncio.create_task(lifecycle()), asyncio.create_task(watch_for_fault())]
         try:
+            await build_route_tables(app, config.api_token)
             await server.serve(sockets=[sock])
         finally:
             for task in tasks:
@@ -256,6 +258,15 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         engine.close()
     if failures:
         raise failures[0]
+
+
+async def build_route_tables(app: FastAPI, api_token: str | None) -> None:
+    """One request, in-process, to a path that no route serves, while the model loads: FastAPI builds a router's table
+    (its routes' request validators among it) at the first request that walks past it, which would otherwise be the
+    first real request of each API, after the worker reported ready."""
+    headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rbee-worker") as client:
+        await client.get("/.route-tables", headers=headers)
 
 
 async def until(done: Callable[[], bool], timeout_s: float, interrupt: asyncio.Event | None) -> None:
