@@ -18,6 +18,7 @@ rounds, and each ratio the median of the rounds' own ratios. Results go to bench
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -133,7 +134,9 @@ async def measure_worker(url: str, spec: dict) -> dict:
 
 def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str, float]:
     """The served worker, its URL, and the seconds it took to report healthy (loading, compiling, capturing); its
-    log (JSON lines) goes to log_path."""
+    log (JSON lines) goes to log_path. This process's heap is frozen once the worker is up, as the worker freezes its
+    own (engine.freeze_heap): what the measuring client has imported is never walked by the garbage collector again,
+    whose full collections would otherwise land in the timings."""
     from rbee_worker.listener import bind
 
     sock = bind("127.0.0.1", 0)
@@ -153,7 +156,10 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
             raise SystemExit(f"error: the worker exited with {process.returncode}: {log_path.read_text()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return process, url, time.monotonic() - started
+                healthy = time.monotonic() - started
+                gc.collect()
+                gc.freeze()
+                return process, url, healthy
         except httpx.TransportError:
             pass
         time.sleep(0.2)
