@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from rbee_worker import __version__
 from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING, WORKER_PEERS
 from rbee_worker.errors import BindError, GenerationError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
@@ -122,6 +123,7 @@ def add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
 
 def build_parser() -> Parser:
     parser = Parser(prog="rbee-worker", description="LLM inference worker for the rbee pool manager.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     generate = commands.add_parser("generate", help="generate text for one prompt and stream it to stdout")
@@ -226,6 +228,17 @@ def build_parser() -> Parser:
     http = serve.add_argument_group("HTTP and pool manager")
     http.add_argument("--worker-id", help="default: <host name>-<port>")
     http.add_argument("--model-ref", help="the model name reported to clients (default: the model's own name)")
+    http.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="names the OpenAI API answers to besides MODEL as given and the model's own name; the first is the name "
+        "reported unless --model-ref is given",
+    )
+    http.add_argument(
+        "--no-access-log", dest="access_log", action="store_false", help="no log line for each HTTP request"
+    )
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=bounded(int, 0, 65535), default=8080, help="0 picks a free port")
     http.add_argument("--callback-url", help="POST the ready callback here once the model is loaded")
@@ -334,6 +347,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         api_token=token,
         model_ref=args.model_ref,
+        served_model_names=tuple(args.served_model_name),
+        access_log=args.access_log,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
         unclaimed_job_timeout_s=args.unclaimed_job_timeout,

@@ -22,6 +22,8 @@ class WorkerConfig:
     host: str  # for the URL reported to the pool manager; the socket is bound by the caller
     api_token: str | None  # LLORCH_API_TOKEN: when set, every route but GET /health needs it
     model_ref: str | None  # the model name reported to clients; None: the loaded model's own name
+    served_model_names: tuple[str, ...]  # --served-model-name: more names the OpenAI API answers to
+    access_log: bool  # a log line for each HTTP request
     drain_timeout_s: float  # on a stop request, how long running jobs may finish before they are cancelled
     stall_timeout_s: float  # an engine with work and no finished step for this long is unhealthy
     unclaimed_job_timeout_s: float  # a job API job whose stream nobody opens is cancelled after this
