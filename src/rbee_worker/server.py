@@ -3,6 +3,7 @@ report ready to the pool manager and keep the heartbeat going."""
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
@@ -22,10 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rbee_worker import __version__
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.metrics import Metrics, metrics_router
-from rbee_worker.api.middleware import AuthAndCorrelation
+from rbee_worker.api.middleware import AccessLog, AuthAndCorrelation, JsonBodies
 from rbee_worker.api.native import native_router
 from rbee_worker.api.openai import openai_router
 from rbee_worker.api.state import WorkerState
+from rbee_worker.api.validation import json_error_message
+from rbee_worker.cli import exit_at_once
 from rbee_worker.config import WorkerConfig
 from rbee_worker.cpu_features import cpu_features
 from rbee_worker.engine.engine import Engine
@@ -44,7 +47,7 @@ SHUTDOWN_GRACE_S = 5.0  # then how long uvicorn waits for connections to close
 FAULT_STREAMS_GRACE_S = 3.0  # after a device fault, how long the failed requests' streams get to send their error
 
 
-def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> FastAPI:
+def build_app(state: WorkerState, metrics: Metrics) -> FastAPI:
     app = FastAPI(
         title="rbee-worker",
         version=__version__,
@@ -53,7 +56,9 @@ def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> Fa
     app.include_router(native_router(state))
     app.include_router(openai_router(state))
     app.include_router(metrics_router(metrics))
-    app.add_middleware(AuthAndCorrelation, token=api_token)
+    app.add_middleware(JsonBodies)
+    app.add_middleware(AuthAndCorrelation, token=state.config.api_token)
+    app.add_middleware(AccessLog, metrics=metrics, log=state.config.access_log)  # the last added is the outermost
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -88,9 +93,13 @@ def build_app(state: WorkerState, metrics: Metrics, api_token: str | None) -> Fa
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    """Every problem of the body in one message, the first one's field as `param`."""
+    """Every problem of the body in one message, the first one's field as `param`; a body that is not JSON in the
+    native API's words (FastAPI reports the character offset as the field)."""
     problems, params = [], []
     for error in exc.errors():
+        if error["type"] == "json_invalid":
+            position = error["loc"][-1]
+            return ApiError(400, json_error_message(json.JSONDecodeError(error["ctx"]["error"], exc.body, position)))
         location = ".".join(str(part) for part in error["loc"] if part != "body")
         params.append(location or None)
         message = str(error["msg"]).removeprefix("Value error, ")
@@ -132,9 +141,9 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         config.engine,
         observer=metrics,
     )
-    metrics.watch(engine)
     state = WorkerState(engine=engine, worker_id=worker_id, config=config, progress=progress)
-    app = build_app(state, metrics, config.api_token)
+    metrics.watch(engine, lambda: state.model_name)
+    app = build_app(state, metrics)
     server_config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )
@@ -143,18 +152,28 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     drain_task: asyncio.Task | None = None
 
     def request_shutdown() -> None:
-        """Start the drain (on the event loop's thread); asked again, stop waiting for running jobs."""
+        """Start the drain (on the event loop's thread); asked again, stop waiting for running jobs, or, while the
+        model still loads (no job can run yet), end the process at once."""
         nonlocal drain_task
         if drain_task is None:
             drain_task = asyncio.create_task(drain())
+        elif not engine.load_finished:
+            log.info("stopping at once: asked again while the model loads")
+            exit_at_once(0)
         else:
             hurry.set()
 
     state.request_shutdown = request_shutdown
 
     async def drain() -> None:
-        """Stop admitting, let running jobs finish for up to --drain-timeout, cancel the rest, then stop."""
+        """Stop admitting, let running jobs finish for up to --drain-timeout, cancel the rest, then stop. While the
+        model loads: cancel the load and wait for the engine thread to leave it (a stage that cannot be interrupted,
+        such as llama.cpp creating its context, finishes first), so that nothing it logs follows the server's end."""
         state.draining = True
+        if not engine.load_finished:
+            log.info("stopping: the model load is cancelled")
+            progress.cancel()
+            await until(lambda: engine.load_finished, float("inf"), None)
         log.info("draining: %d job(s) in flight, waiting up to %.0f s", engine.in_flight, config.drain_timeout_s)
         await until(lambda: not state.busy(), config.drain_timeout_s, hurry)
         if state.busy():
@@ -169,6 +188,8 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         """Wait for the model, register with the pool manager, then beat until the server stops."""
         while not engine.load_finished:  # polled, not awaited in a thread that a shutdown would have to join
             await asyncio.sleep(POLL_S)
+        if state.draining:  # stopped while loading: there is nothing to report, and the drain ends the server
+            return
         try:
             loaded = engine.loaded
         except Exception as exc:
@@ -237,10 +258,10 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         if threading.current_thread() is threading.main_thread():
             # Also before uvicorn installs its handlers (and after it restores the previous ones).
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: loop.call_soon_threadsafe(request_shutdown))
+                signal.signal(sig, lambda *_: on_stop_signal(loop))
         tasks = [asyncio.create_task(lifecycle()), asyncio.create_task(watch_for_fault())]
         try:
-            await build_route_tables(app, config.api_token)
+            await build_route_tables(app)
             await server.serve(sockets=[sock])
         finally:
             for task in tasks:
@@ -248,6 +269,14 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    def on_stop_signal(loop: asyncio.AbstractEventLoop) -> None:
+        """A stop signal outside uvicorn's own handlers: the drain while the event loop runs; once it is closed (the
+        server is down and the engine thread is being joined), the end of the process at once."""
+        try:
+            loop.call_soon_threadsafe(request_shutdown)
+        except RuntimeError:  # the event loop is closed
+            exit_at_once(0)
 
     server = _Server(server_config, on_signal=lambda: asyncio.get_running_loop().call_soon_threadsafe(request_shutdown))
     try:
@@ -260,13 +289,13 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         raise failures[0]
 
 
-async def build_route_tables(app: FastAPI, api_token: str | None) -> None:
+async def build_route_tables(app: FastAPI) -> None:
     """One request, in-process, to a path that no route serves, while the model loads: FastAPI builds a router's table
     (its routes' request validators among it) at the first request that walks past it, which would otherwise be the
-    first real request of each API, after the worker reported ready."""
-    headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rbee-worker") as client:
-        await client.get("/.route-tables", headers=headers)
+    first real request of each API, after the worker reported ready. Sent to the router, past the middleware: no
+    token needed, and no access log line or refusal counted for it."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app.router), base_url="http://rbee-worker") as client:
+        await client.get("/.route-tables")
 
 
 async def until(done: Callable[[], bool], timeout_s: float, interrupt: asyncio.Event | None) -> None:

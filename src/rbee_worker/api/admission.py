@@ -2,11 +2,12 @@
 
 `admit` raises an `AdmissionError` subclass for every refusal; each API turns those into its own error shape in one
 place, a route class made by `rendering_route` (FastAPI's exception handlers are app-wide, and the two APIs answer
-the same refusal differently).
+the same refusal differently). That route class also notes the refusal's `reason` in the HTTP request's state, and
+`admit` the admitted job's id, for the access log and the failure counter (api/middleware.py).
 """
 
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,23 +21,34 @@ E = TypeVar("E", bound=Exception)
 
 
 class AdmissionError(Exception):
-    """A request the worker does not take; the subclass says why."""
+    """A request the worker does not take; the subclass says why, in words and as `reason` (a value of
+    rbee:request_failure_total's `reason` label)."""
+
+    reason: ClassVar[str]
 
 
 class Draining(AdmissionError):
     """The worker is shutting down and takes no new work."""
 
+    reason = "draining"
+
 
 class Loading(AdmissionError):
     """The model is still loading; the client should retry shortly."""
+
+    reason = "loading"
 
 
 class Unhealthy(AdmissionError):
     """The worker's device failed: the worker stops and takes no new work."""
 
+    reason = "unhealthy"
+
 
 class DuplicateJob(AdmissionError):
     """A job with this id is running, or waits for its stream to be read."""
+
+    reason = "conflict"
 
     def __init__(self, job_id: str) -> None:
         super().__init__(f"job {job_id} is already running")
@@ -46,6 +58,8 @@ class DuplicateJob(AdmissionError):
 class AllSlotsBusy(AdmissionError):
     """Every running slot and every queue place is taken (the engine's EngineBusy, with its numbers as the contract
     reports them); the client should retry shortly."""
+
+    reason = "busy"
 
     def __init__(self, busy: EngineBusy) -> None:
         super().__init__(str(busy))
@@ -65,8 +79,9 @@ def ensure_open(state: WorkerState) -> None:
         raise Loading()
 
 
-def admit(state: WorkerState, build: Callable[[], EngineRequest]) -> Job:
-    """Submit the request that `build` makes, once the worker takes requests; its events wait in the returned job.
+def admit(state: WorkerState, build: Callable[[], EngineRequest], http_request: Request) -> Job:
+    """Submit the request that `build` makes, once the worker takes requests; its events wait in the returned job,
+    whose id goes into `http_request.state.job_id`.
 
     `build` runs only on a loaded engine and may raise its API's own errors (an invalid body, say), which pass
     through. Raises Unhealthy, Draining, Loading, DuplicateJob or AllSlotsBusy; a refused request leaves nothing behind.
@@ -76,16 +91,18 @@ def admit(state: WorkerState, build: Callable[[], EngineRequest]) -> Job:
     if request.request_id in state.jobs:  # a job API job stays until its stream is read, even once generated
         raise DuplicateJob(request.request_id)
     try:
-        return Job(request.request_id, state.engine.astream(request))
+        job = Job(request.request_id, state.engine.astream(request))
     except DuplicateRequest:
         raise DuplicateJob(request.request_id) from None
     except EngineBusy as busy:
         raise AllSlotsBusy(busy) from None
+    http_request.state.job_id = job.job_id
+    return job
 
 
 def rendering_route(errors: type[E] | tuple[type[E], ...], render: Callable[[E], Response]) -> type[APIRoute]:
     """An APIRoute class whose handlers answer the `errors` they raise with `render(error)`: one error renderer per
-    API, for `APIRouter(route_class=...)`."""
+    API, for `APIRouter(route_class=...)`. A refusal's reason goes into `request.state.refusal`."""
 
     class RenderingRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -95,6 +112,8 @@ def rendering_route(errors: type[E] | tuple[type[E], ...], render: Callable[[E],
                 try:
                     return await handler(request)
                 except errors as exc:
+                    if isinstance(exc, AdmissionError):
+                        request.state.refusal = exc.reason
                     return render(exc)
 
             return handle

@@ -1,13 +1,104 @@
-"""Bearer-token auth and X-Correlation-ID (CONTRACT.md §2, "Auth and tracing"), as pure ASGI middleware so that
-streaming responses pass through untouched."""
+"""The worker's HTTP middleware, pure ASGI so that streaming responses pass through untouched: the access log and
+the count of refused requests, bearer-token auth and X-Correlation-ID (CONTRACT.md §2, "Auth and tracing"), and JSON
+bodies whatever their Content-Type."""
 
 import hmac
 import json
+import logging
+import time
 import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rbee_worker.api.metrics import Metrics, refusal_reason
+
 CORRELATION_HEADER = b"x-correlation-id"
+CONTENT_TYPE_HEADER = b"content-type"
+JSON_CONTENT_TYPE = b"application/json"
+
+access_log = logging.getLogger("rbee_worker.access")
+
+
+class AccessLog:
+    """Sees every response (the outermost middleware): counts a refusal, a status of 400 or more answered before any
+    job ran, in rbee:request_failure_total (a job's own failure the engine counts) and, when `log` is set, writes one
+    info line per request once its response has ended (for a stream: its last event), with its method, path, status,
+    duration, correlation id and job id.
+
+    Routes tell it what they know in the request's state: `job_id` (api/admission.py `admit`, the job API's stream)
+    and `refusal`, an admission refusal's reason (api/admission.py `rendering_route`); AuthAndCorrelation sets
+    `correlation_id`. /health is never a refusal: its 503 reports the worker's condition."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, log: bool) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log = log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        notes = scope.setdefault("state", {})
+        status: int | None = None
+
+        def count(answer: int) -> None:
+            if answer >= 400 and "job_id" not in notes and scope["path"] != "/health":
+                self.metrics.refused(answer, refusal_reason(answer, notes.get("refusal")))
+
+        async def send_watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":  # counted before the client can see it
+                status = message["status"]
+                count(status)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception:
+            if status is None:  # the server's error handler answers 500 (outside this middleware)
+                status = 500
+                count(status)
+            raise
+        finally:
+            if self.log:
+                self.write(scope, notes, status or 500, time.perf_counter() - started)
+
+    @staticmethod
+    def write(scope: Scope, notes: dict, status: int, seconds: float) -> None:
+        fields = {
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "duration_ms": round(seconds * 1000, 3),
+            "correlation_id": notes.get("correlation_id"),
+        }
+        if "job_id" in notes:
+            fields["job_id"] = notes["job_id"]
+        access_log.info(
+            "%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1000, extra={"fields": fields}
+        )
+
+
+class JsonBodies:
+    """Every request body is read as JSON, whatever its Content-Type says (none, or curl -d's
+    application/x-www-form-urlencoded), as llama-server and Ollama read it: the worker takes no other kind of body,
+    and FastAPI parses a body for a pydantic model only under a JSON media type."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not is_json(dict(scope["headers"]).get(CONTENT_TYPE_HEADER)):
+            headers = [(name, value) for name, value in scope["headers"] if name != CONTENT_TYPE_HEADER]
+            scope["headers"] = [*headers, (CONTENT_TYPE_HEADER, JSON_CONTENT_TYPE)]
+        await self.app(scope, receive, send)
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """application/json or a +json type, with or without parameters."""
+    media_type = (content_type or b"").partition(b";")[0].strip().lower()
+    return media_type == JSON_CONTENT_TYPE or (media_type.startswith(b"application/") and media_type.endswith(b"+json"))
 
 
 class AuthAndCorrelation:

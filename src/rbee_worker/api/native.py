@@ -45,7 +45,7 @@ from rbee_worker.api.native_schema import (
 )
 from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import Job, WorkerState
-from rbee_worker.api.validation import FieldError, JobRequest, errors_body, parse_job_request
+from rbee_worker.api.validation import FieldError, JobRequest, errors_body, load_body, parse_job_request
 from rbee_worker.cpu_features import cpu_features
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Started, StopReason, Token
 from rbee_worker.engine.types import Request as EngineRequest
@@ -101,6 +101,8 @@ def native_router(state: WorkerState) -> APIRouter:
             "state": state.activity(),
             "worker_id": state.worker_id,
             "model": state.model_ref,
+            "device": str(info.device),
+            "dtype": str(info.dtype).removeprefix("torch."),
             "vram_bytes": memory if info.device.type == "cuda" else 0,
             "memory_bytes": memory,
             "weight_bytes": info.weight_bytes,
@@ -167,13 +169,14 @@ def native_router(state: WorkerState) -> APIRouter:
             409: {"model": NativeError, "description": "the job already has a reader"},
         },
     )
-    async def job_stream(job_id: str) -> Response:
+    async def job_stream(job_id: str, http_request: Request) -> Response:
         job = state.jobs.get(job_id)
         if job is None:
             return error_response(404, "JOB_NOT_FOUND", f"no job {job_id}")
         if job.reader_attached:
             return error_response(409, "STREAM_TAKEN", f"job {job_id} already has a reader")
         job.reader_attached = True
+        http_request.state.job_id = job_id
         return StreamingResponse(sse(state, job, done_marker=True), media_type="text/event-stream", headers=SSE_HEADERS)
 
     @router.delete("/v1/inference/{job_id}", status_code=204, response_class=Response, responses=UNAUTHORIZED)
@@ -190,9 +193,10 @@ def native_router(state: WorkerState) -> APIRouter:
     )
     async def cancel(request: Request) -> Response:
         try:
-            job_id = json.loads(await request.body()).get("job_id")
-        except (ValueError, AttributeError):
-            return field_error(400, FieldError("body", "json", "body must be a JSON object with job_id", None))
+            data = load_body(await request.body())
+        except ValueError as exc:
+            return field_error(400, FieldError("body", "json", str(exc), None))
+        job_id = data.get("job_id") if isinstance(data, dict) else None
         if not isinstance(job_id, str) or not job_id:
             return field_error(400, FieldError("job_id", "required", "job_id (a non-empty string) is required", None))
         state.engine.cancel(job_id)
@@ -227,7 +231,7 @@ async def admit_job(state: WorkerState, http_request: Request, *, require_job_id
             correlation_id=getattr(http_request.state, "correlation_id", None),
         )
 
-    return admit(state, build)
+    return admit(state, build, http_request)
 
 
 def native_error(exc: AdmissionError | InvalidJob) -> JSONResponse:

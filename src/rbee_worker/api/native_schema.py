@@ -24,7 +24,9 @@ class Health(BaseModel):
     # Absent while loading:
     state: Literal["idle", "busy"] | None = None
     model: str | None = None
-    vram_bytes: int | None = None
+    device: str | None = None  # where the model runs: cpu, cuda:0, mps
+    dtype: str | None = None  # what the model computes in (bfloat16, float32, ...); quantized weights keep their types
+    vram_bytes: int | None = None  # memory_bytes on a GPU, 0 elsewhere (CONTRACT.md §2): device says which
     memory_bytes: int | None = None  # weights + KV cache, measured (on a GPU: what torch has allocated)
     weight_bytes: int | None = None  # the weights as held (llama.cpp: llama_model_size)
     kv_cache_bytes: int | None = None  # the KV cache in memory (llama.cpp, GPU: all of it, allocated at start)

@@ -82,10 +82,11 @@ def openai_router(state: WorkerState) -> APIRouter:
     @router.get("/v1/models", response_model=ModelList, responses={**UNAUTHORIZED, 503: ERRORS[503]})
     async def models() -> ModelList:
         if not state.engine.is_loaded:
-            raise ApiError(503, "the model is still loading", kind="server_error", retry_after=1)
+            raise Loading()
         context = state.engine.context_length
-        card = ModelCard(id=state.model_ref, created=state.started_at, max_model_len=context)
-        return ModelList(data=[card])
+        return ModelList(
+            data=[ModelCard(id=name, created=state.started_at, max_model_len=context) for name in state.model_names]
+        )
 
     @router.post(
         "/v1/completions",
@@ -98,8 +99,8 @@ def openai_router(state: WorkerState) -> APIRouter:
             prompt_ids = completion_prompt(state, body.prompt)
             return engine_request(state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl")
 
-        job = admit(state, build)
-        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_ref}
+        job = admit(state, build, http_request)
+        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
 
         def chunk(piece: Generation, finish: str | None) -> dict:
             logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
@@ -125,8 +126,8 @@ def openai_router(state: WorkerState) -> APIRouter:
             prompt_ids = render_chat(state, body.messages)
             return engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl")
 
-        job = admit(state, build)
-        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_ref}
+        job = admit(state, build, http_request)
+        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
 
         def logprobs_of(piece: Generation) -> dict | None:
             if top is None:
@@ -204,11 +205,12 @@ def openai_error(exc: AdmissionError | ApiError) -> JSONResponse:
 
 
 def check_model(state: WorkerState, model: str | None) -> None:
-    """A named model must be this one (on a loaded engine: its name may come from the model)."""
-    if model is not None and model != state.model_ref:
+    """A named model must be one of this one's names (on a loaded engine: one of them is the model's own)."""
+    if model is not None and model not in state.model_names:
+        names = ", ".join(f"`{name}`" for name in state.model_names)
         raise ApiError(
             404,
-            f"The model `{model}` does not exist: this worker serves `{state.model_ref}` (see GET /v1/models)",
+            f"The model `{model}` does not exist: this worker serves {names} (see GET /v1/models)",
             kind="NotFoundError",
             param="model",
             code="model_not_found",

@@ -41,6 +41,24 @@ class WorkerState:
             return self.config.model_ref
         return self.engine.loaded.info.name if self.engine.is_loaded else self.config.model
 
+    @property
+    def model_name(self) -> str:
+        """The name the OpenAI API reports (responses' `model`, the first of /v1/models) and the metrics' `model_name`
+        label: --model-ref, else the first --served-model-name, else what `model_ref` says."""
+        if self.config.model_ref is None and self.config.served_model_names:
+            return self.config.served_model_names[0]
+        return self.model_ref
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the OpenAI API answers to, `model_name` first, each once: the --served-model-name names, MODEL
+        as given (`demo`, a path, a hub id), --model-ref and the loaded model's own name, as vLLM and llama-server
+        users expect."""
+        own = (self.engine.loaded.info.name,) if self.engine.is_loaded else ()
+        model_ref = (self.config.model_ref,) if self.config.model_ref is not None else ()
+        names = (self.model_name, *self.config.served_model_names, self.config.model, *model_ref, *own)
+        return tuple(dict.fromkeys(names))
+
     def condition(self) -> str:
         """loading, draining, unhealthy or healthy: what /health, /v1/ready and the heartbeat report."""
         if self.engine.fault is not None:

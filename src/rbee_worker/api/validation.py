@@ -284,7 +284,12 @@ def _exact_number(text: str) -> Decimal:
         return Decimal(float(text))
 
 
-def _load_body(body: bytes) -> object:
+def json_error_message(error: json.JSONDecodeError) -> str:
+    """The message of a body that is not JSON, on every route: what is wrong and where (line and column)."""
+    return f"body is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+
+
+def load_body(body: bytes) -> object:
     """The parsed JSON, numbers as Decimal; raises ValueError with a message for the user."""
     try:
         text = body.decode("utf-8-sig")
@@ -293,7 +298,7 @@ def _load_body(body: bytes) -> object:
     try:
         return json.loads(text, parse_float=_exact_number, parse_int=_exact_number, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        raise ValueError(f"body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+        raise ValueError(json_error_message(e)) from None
     except ValueError as e:  # from _reject_constant
         raise ValueError(f"body is not valid JSON: {e}") from None
     except RecursionError:
@@ -309,7 +314,7 @@ def parse_job_request(
     for a prompt that passed its own checks.
     """
     try:
-        data = _load_body(body)
+        data = load_body(body)
     except ValueError as e:
         return [FieldError("body", "json", str(e), None)]
     if not isinstance(data, dict):
