@@ -41,9 +41,10 @@ def http(worker: Worker) -> Iterator[httpx.Client]:
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
-    [model] = client.models.list().data
-    assert model.id == DEMO_NAME and model.object == "model"
-    assert model.model_extra["max_model_len"] == 8192
+    """The name reported first (the model's own), then MODEL as given on the command line."""
+    models = client.models.list().data
+    assert [model.id for model in models] == [DEMO_NAME, "demo"]
+    assert all(model.object == "model" and model.model_extra["max_model_len"] == 8192 for model in models)
 
 
 def test_chat_streamed_equals_non_streamed_with_usage(client: openai.OpenAI, http: httpx.Client) -> None:
@@ -240,19 +241,20 @@ def test_metrics_move_by_exactly_the_requests_made(client: openai.OpenAI, http: 
 
     prompt_tokens = sum(r.usage.prompt_tokens for r in [*responses, ended])
     generated = sum(lengths) + ended.usage.completion_tokens
-    assert moved("rbee:prompt_tokens_total{}") == prompt_tokens
-    assert moved("rbee:generation_tokens_total{}") == generated
-    assert moved("rbee:request_success_total{stop_reason=MAX_TOKENS}") == 3
-    assert moved("rbee:request_success_total{stop_reason=EOS}") == 1
-    assert moved("rbee:time_to_first_token_seconds_count{}") == 4
-    assert moved("rbee:e2e_request_latency_seconds_count{}") == 4
+    model = f"model_name={DEMO_NAME}"
+    assert moved(f"rbee:prompt_tokens_total{{{model}}}") == prompt_tokens
+    assert moved(f"rbee:generation_tokens_total{{{model}}}") == generated
+    assert moved(f"rbee:request_success_total{{finished_reason=length,{model},stop_reason=MAX_TOKENS}}") == 3
+    assert moved(f"rbee:request_success_total{{finished_reason=stop,{model},stop_reason=EOS}}") == 1
+    assert moved(f"rbee:time_to_first_token_seconds_count{{{model}}}") == 4
+    assert moved(f"rbee:e2e_request_latency_seconds_count{{{model}}}") == 4
     # One interval per sampled token after the first; the EOS token is sampled too.
     intervals = sum(n - 1 for n in lengths) + ended.usage.completion_tokens
-    assert moved("rbee:inter_token_latency_seconds_count{}") == intervals
-    assert after["rbee:num_requests_running{}"] == 0 and after["rbee:num_requests_waiting{}"] == 0
-    assert after["rbee:kv_cache_usage_perc{}"] == 0
-    ttft_count = after["rbee:time_to_first_token_seconds_count{}"]
-    assert after["rbee:time_to_first_token_seconds_bucket{,le=+Inf}"] == ttft_count
+    assert moved(f"rbee:inter_token_latency_seconds_count{{{model}}}") == intervals
+    assert after[f"rbee:num_requests_running{{{model}}}"] == 0 and after[f"rbee:num_requests_waiting{{{model}}}"] == 0
+    assert after[f"rbee:kv_cache_usage_perc{{{model}}}"] == 0
+    ttft_count = after[f"rbee:time_to_first_token_seconds_count{{{model}}}"]
+    assert after[f"rbee:time_to_first_token_seconds_bucket{{{model},le=+Inf}}"] == ttft_count
 
 
 def test_chat_template_matches_transformers(demo_gguf: Path, demo_hf_dir: Path) -> None:

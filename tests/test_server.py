@@ -47,6 +47,8 @@ HEALTH_KEYS = {
     "state",
     "worker_id",
     "model",
+    "device",
+    "dtype",
     "vram_bytes",
     "memory_bytes",
     "slots_total",
@@ -151,7 +153,9 @@ def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Clien
     assert body["worker_id"] == f"{socket.gethostname()}-{server.port}"  # the default: <host name>-<port>
     assert body["cpu"] == cpu_features().describe()  # the worker's environment is this process's
     assert body["model"] == DEMO_NAME  # the default --model-ref: the model's own name, not "demo"
-    assert body["vram_bytes"] == 0  # CPU
+    assert (body["device"], body["vram_bytes"]) == ("cpu", 0)  # no VRAM off a GPU (the contract's field)
+    # torch: the placement's dtype (float32 on a CPU without native bf16); llama.cpp computes in float32 on a CPU.
+    assert body["dtype"] in {"torch": ("float32", "bfloat16"), "llama.cpp": ("float32",)}[runtime]
     assert body["runtime"] == runtime
     # Measured weights: the Q4_1 file's matrices held as they are (--quantize auto, or llama.cpp's own figure), about
     # 95 MB; dequantized to bfloat16 they would take about 270 MB. The KV cache: on torch the part touched so far (none
