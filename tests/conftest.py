@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,8 +43,10 @@ def demo_hf_dir(demo_gguf: Path) -> Path:
     """
     target = cache_dir() / f"test-smollm2-hf-v{HF_DIR_VERSION}"
     if not (target / "model.safetensors").is_file():
-        staging = target.with_name(target.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
+        # A staging directory of this process's own: test processes running at once (pytest-xdist) each build one,
+        # and the first to finish puts its directory in place.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
         # A separate process: transformers' GGUF path holds ~1 GB it never gives back.
         script = f"""
 import torch
@@ -61,7 +64,10 @@ model.save_pretrained({str(staging)!r})
 build_tokenizer(read_gguf(path).metadata).save_pretrained({str(staging)!r})
 """
         subprocess.run([sys.executable, "-c", script], check=True)
-        staging.replace(target)
+        try:
+            staging.replace(target)
+        except OSError:  # another process put its directory in place first
+            shutil.rmtree(staging)
     return target
 
 
