@@ -55,14 +55,12 @@ class AccessLog:
 
         try:
             await self.app(scope, receive, send_watched)
-        except Exception:
-            if status is None:  # the server's error handler answers 500 (outside this middleware)
+        finally:
+            if status is None:  # the app raised or ended without an answer: the server answers 500 (if it still can)
                 status = 500
                 count(status)
-            raise
-        finally:
             if self.log:
-                self.write(scope, notes, status or 500, time.perf_counter() - started)
+                self.write(scope, notes, status, time.perf_counter() - started)
 
     @staticmethod
     def write(scope: Scope, notes: dict, status: int, seconds: float) -> None:
