@@ -354,10 +354,10 @@ def wait_bound(worker: Worker) -> None:
             time.sleep(0.005)
 
 
-def test_stop_signal_while_loading_exits_0_at_once(tmp_path: Path) -> None:
-    """SIGTERM while importing (the port is bound, nothing answers yet) and SIGINT while the model loads. The imports
-    take about a second: signals at 15 moments across them, since one raised inside a transformers import once turned
-    into an import error and exit 1 (3 of 24 such launches failed that way)."""
+def test_stop_signal_while_importing_exits_0_at_once(tmp_path: Path) -> None:
+    """SIGTERM while importing (the port is bound, nothing answers yet). The imports take about a second: signals at 15
+    moments across them, since one raised inside a transformers import once turned into an import error and exit 1 (3
+    of 24 such launches failed that way)."""
     for delay in [0.01 + 0.05 * i for i in range(15)]:
         early = launch(tmp_path)
         wait_bound(early)
@@ -366,17 +366,44 @@ def test_stop_signal_while_loading_exits_0_at_once(tmp_path: Path) -> None:
         assert early.process.wait(timeout=30) == 0, (delay, early.stderr())
         assert "error" not in early.stderr(), (delay, early.stderr())
 
-    loading = launch(tmp_path)
+
+STOPPED_AT_ONCE = "stopping at once: asked again while the model loads"
+
+
+# The second signal's delay: two sent at the same instant may reach the process as one (signals do not queue).
+@pytest.mark.parametrize("second_after", [None, 0.05, 0.2, 0.5, 1.0], ids=["one", "0.05s", "0.2s", "0.5s", "1s"])
+def test_stop_signals_while_loading_end_the_process_promptly(tmp_path: Path, second_after: float | None) -> None:
+    """SIGINT while the model loads (as Ctrl-C): the load is cancelled and the process exits 0 within seconds, the
+    server's end its last log line (nothing of the load after it); a second SIGINT, whenever it comes (during the
+    load, the server's shutdown, or after it), ends it at once, exit 0, without an error or a traceback."""
+    worker = launch(tmp_path, "--log-format", "json")
     while True:
-        assert loading.process.poll() is None, loading.stderr()
+        assert worker.process.poll() is None, worker.stderr()
         try:
-            if httpx.get(f"{loading.url}/health", timeout=5).json()["status"] == "loading":
+            if httpx.get(f"{worker.url}/health", timeout=5).json()["status"] == "loading":
                 break
         except httpx.TransportError:
             time.sleep(0.01)
-    loading.process.send_signal(signal.SIGINT)
-    assert loading.process.wait(timeout=30) == 0, loading.stderr()
-    assert "Traceback" not in loading.stderr()
+    sent_at = time.monotonic()
+    worker.process.send_signal(signal.SIGINT)
+    if second_after is not None:
+        time.sleep(second_after)
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGINT)
+    code = worker.process.wait(timeout=30)
+    took = time.monotonic() - sent_at
+    stderr = worker.stderr()
+    assert code == 0, stderr
+    assert took < (5 if second_after is None else second_after + 2), (took, stderr)
+    assert "Traceback" not in stderr and not error_lines(stderr), stderr
+    messages = [json.loads(line)["msg"] for line in stderr.splitlines()]
+    assert not any(m.startswith("ready") for m in messages), messages
+    last = messages[-1]
+    if second_after is None:
+        assert "stopping: the model load is cancelled" in messages, messages
+        assert last.startswith("Finished server process"), messages
+    else:
+        assert last.startswith("Finished server process") or last == STOPPED_AT_ONCE, messages
 
 
 # --- the pool manager sees a reachable URL ----------------------------------------------------------------------------

@@ -359,7 +359,9 @@ def run_serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
     )
     serve(config, sock)
-    return 0
+    # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
+    # during which it restores the default signal handlers: a second Ctrl-C then would kill the process.
+    exit_at_once(0)
 
 
 def read_chat_template(value: str) -> str:

@@ -78,6 +78,7 @@ def load_llama_cpp(path: Path, device: torch.device, progress: LoadProgress) -> 
         raise ModelLoadError(f"{path.name} (GGUF architecture {arch!r}): {exc}") from exc
     layers = meta.get(f"{arch}.block_count")
     progress.expect(layers if type(layers) is int and layers > 0 else 1, path.stat().st_size)
+    progress.check()  # reading the file's metadata and tokenizer takes a while: a cancel meanwhile stops here
     _route_logs()
     params = native.llama_model_default_params()
     params.n_gpu_layers = -1 if device.type == "mps" else 0

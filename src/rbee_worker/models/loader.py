@@ -139,7 +139,7 @@ def load_model(
     if resolve_runtime(runtime, path, gguf, placement.device) == "llama.cpp":
         with _LOADING:
             loaded = load_llama_cpp(path, placement.device, progress)
-        return _finish(loaded, path, max_context, chat_template, started)
+        return _finish(loaded, path, progress, max_context, chat_template, started)
     if quantize == "auto":
         keep = gguf and quantized_supported(placement.device, placement.dtype)
         quantize = "int4" if keep else "none"  # for a GGUF file int4 and int8 alike mean "keep the file's types"
@@ -164,13 +164,20 @@ def load_model(
     except MemoryError as exc:
         raise ModelLoadError(f"not enough host memory to load {path.name}; use a smaller model") from exc
     check_placement(loaded.model, placement.device)
-    return _finish(loaded, path, max_context, chat_template, started)
+    return _finish(loaded, path, progress, max_context, chat_template, started)
 
 
 def _finish(
-    loaded: LoadedModel, path: Path, max_context: int | None, chat_template: str | None, started: float
+    loaded: LoadedModel,
+    path: Path,
+    progress: LoadProgress,
+    max_context: int | None,
+    chat_template: str | None,
+    started: float,
 ) -> LoadedModel:
-    """Either runtime's last step: --max-context and --chat-template applied, the load time recorded."""
+    """Either runtime's last step: --max-context and --chat-template applied, the load time recorded; a load cancelled
+    meanwhile stops here rather than go on to the engine's runner."""
+    progress.check()
     context = loaded.info.context_length
     if max_context is not None and max_context > context:
         raise ModelLoadError(

@@ -29,9 +29,13 @@ class LoadProgress:
 
     def add(self, nbytes: int) -> None:
         """Count a loaded tensor; raises LoadCancelled once `cancel` was called, so a load stops between tensors."""
+        self.check()
+        self.bytes_loaded += nbytes
+
+    def check(self) -> None:
+        """Raise LoadCancelled once `cancel` was called: where a load passes from one stage to the next."""
         if self.cancelled:
             raise LoadCancelled("the model load was cancelled")
-        self.bytes_loaded += nbytes
 
     def cancel(self) -> None:
         """Ask the loading thread to stop at its next tensor: a process must not exit while torch runs on it."""
