@@ -102,6 +102,18 @@ def test_loading_progress_counts_layers_then_ready(tmp_path: Path) -> None:
         assert worker.stop() == 0, worker.stderr()
 
 
+def test_ready_line_reports_the_time_from_the_process_start(tuned: Worker) -> None:
+    """The `ready` log line's time is what a user waits for, from the process's start to healthy (imports, binding,
+    loading, the runner's preparation), with the weights' own load time beside it."""
+    deadline = time.monotonic() + 10  # the line follows /health's first 200 by up to a poll of the load
+    while not (lines := [r for r in map(json.loads, tuned.stderr().splitlines()) if r["msg"].startswith("ready:")]):
+        assert time.monotonic() < deadline, tuned.stderr()
+        time.sleep(0.05)
+    [ready] = lines
+    assert 0 < ready["weights_load_s"] < ready["startup_s"], ready
+    assert f"{ready['startup_s']:.1f} s after the process started" in ready["msg"], ready
+
+
 # --- slots and the queue ----------------------------------------------------------------------------------------------
 
 

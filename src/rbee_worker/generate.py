@@ -2,6 +2,7 @@
 by the CLI only when the command runs (it imports torch)."""
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -13,6 +14,7 @@ from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
 from rbee_worker.errors import GenerationError
+from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.loader import load_model
 
 log = logging.getLogger("rbee_worker")
@@ -23,10 +25,16 @@ def generate(args: argparse.Namespace) -> int:
     GenerationError for a request the engine refuses or fails."""
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
-    engine = Engine(
-        lambda: load_model(args.model, placement, quantize=quantize, runtime=runtime),
-        EngineConfig(deterministic=args.deterministic, threads=args.threads),
-    )
+
+    def load() -> LoadedModel:
+        """The model with its context cut to this request (the prompt and --max-tokens, at most the model's own), so
+        that the one KV slot holds what the request needs and no more."""
+        loaded = load_model(args.model, placement, quantize=quantize, runtime=runtime)
+        needed = len(prompt_ids(loaded, args)) + args.max_tokens
+        info = dataclasses.replace(loaded.info, context_length=min(loaded.info.context_length, needed))
+        return dataclasses.replace(loaded, info=info)
+
+    engine = Engine(load, EngineConfig(deterministic=args.deterministic, max_batch=1, threads=args.threads))
     try:
         info = engine.loaded.info
         log.info(
@@ -40,13 +48,8 @@ def generate(args: argparse.Namespace) -> int:
             info.load_seconds,
             info.weight_bytes >> 20,
         )
-        prompt_ids = (
-            engine.tokenize_chat([{"role": "user", "content": args.prompt}])
-            if args.chat
-            else engine.tokenize(args.prompt)
-        )
         request = Request(
-            prompt_ids=prompt_ids,
+            prompt_ids=prompt_ids(engine.loaded, args),
             max_tokens=args.max_tokens,
             sampling=sampling_params(args),
             seed=args.seed,
@@ -64,13 +67,20 @@ def generate(args: argparse.Namespace) -> int:
             elif isinstance(event, Error):
                 raise GenerationError(event.message, invalid_request=event.code is ErrorCode.INVALID_REQUEST)
             elif isinstance(event, End):
-                report(args.json, event, "".join(pieces), token_ids, info.weight_bytes)
+                report(args.json, event, "".join(pieces), token_ids, engine)
     finally:
         engine.close()
     return 0
 
 
-def report(as_json: bool, end: End, text: str, token_ids: list[int], weight_bytes: int) -> None:
+def prompt_ids(model: LoadedModel, args: argparse.Namespace) -> tuple[int, ...]:
+    """--prompt's token ids: raw, or as the user's message in the model's chat template with --chat."""
+    if args.chat:
+        return model.tokenize_chat([{"role": "user", "content": args.prompt}])
+    return model.tokenize(args.prompt)
+
+
+def report(as_json: bool, end: End, text: str, token_ids: list[int], engine: Engine) -> None:
     """The end of a generation: one JSON object on stdout with --json, else a summary line on stderr."""
     if as_json:
         summary = {
@@ -87,7 +97,7 @@ def report(as_json: bool, end: End, text: str, token_ids: list[int], weight_byte
     print(file=sys.stdout)
     print(
         f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, {rate:.1f} tok/s, "
-        f"seed {end.seed}; memory: {weight_bytes / 2**20:.0f} MiB weights + {end.kv_cache_bytes / 2**20:.1f} MiB "
-        "KV cache",
+        f"seed {end.seed}; memory: {engine.loaded.info.weight_bytes / 2**20:.0f} MiB weights + "
+        f"{engine.kv_cache_bytes() / 2**20:.1f} MiB KV cache (one slot of {engine.context_length} tokens)",
         file=sys.stderr,
     )

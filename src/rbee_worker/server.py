@@ -8,11 +8,13 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from types import FrameType
 
 import httpx
+import psutil
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -199,12 +201,17 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         url = advertised_url(config.host, port, config.callback_url)
         fields = {"worker_id": worker_id, "url": url, "runtime": loaded.info.runtime}
         fields |= {"weight_bytes": loaded.info.weight_bytes, "kv_cache_bytes": engine.kv_cache_bytes()}
+        # What a user waits for: from the process's start (imports included) to healthy, beside the weights' load.
+        fields |= {"startup_s": round(time.time() - psutil.Process().create_time(), 2)}
+        fields |= {"weights_load_s": round(loaded.info.load_seconds, 2)}
         log.info(
-            "ready: %s on %s (%s runtime) at %s (loaded in %.2f s, %.0f MiB of weights, %.0f MiB of KV cache)",
+            "ready: %s on %s (%s runtime) at %s, %.1f s after the process started (weights loaded in %.2f s; %.0f MiB "
+            "of weights, %.0f MiB of KV cache)",
             state.model_ref,
             loaded.info.device,
             loaded.info.runtime,
             url,
+            fields["startup_s"],
             loaded.info.load_seconds,
             loaded.info.weight_bytes / 2**20,
             fields["kv_cache_bytes"] / 2**20,

@@ -126,20 +126,16 @@ class Engine:
     # -- the caller's side (any thread) ------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
-        """Token ids of a raw prompt, exactly as the model's tokenizer makes them (BOS as its settings say)."""
-        return tuple(self.loaded.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        """LoadedModel.tokenize, once the model is loaded."""
+        return self.loaded.tokenize(text, add_special_tokens)
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template renders (transformers' apply_chat_template), by default ending
-        with the assistant turn's header. Raises ValueError when the model has no template, or a template error."""
-        return self.loaded.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        """LoadedModel.chat_prompt, once the model is loaded."""
+        return self.loaded.chat_prompt(messages, add_generation_prompt)
 
     def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
-        # The template writes BOS and the other special tokens itself, so none are added again.
-        prompt = self.chat_prompt(messages, add_generation_prompt)
-        return tuple(self.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        """LoadedModel.tokenize_chat, once the model is loaded."""
+        return self.loaded.tokenize_chat(messages, add_generation_prompt)
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
         return self.loaded.tokenizer.decode(token_ids)

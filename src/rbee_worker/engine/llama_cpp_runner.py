@@ -78,6 +78,7 @@ class LlamaCppRunner:
                 f"llama.cpp could not create a context of {slots} x {slot_len} tokens: lower --max-batch or "
                 "--max-context, or see the llama.cpp messages with --log-level debug"
             )
+        self._cells = native.llama_n_ctx(self._context)  # what it allocated: each sequence's cells rounded up
         self._memory = native.llama_get_memory(self._context)
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
         self.sampling = SlotSampling(slots, model.vocab_size, CPU)
@@ -118,8 +119,9 @@ class LlamaCppRunner:
         return None
 
     def kv_bytes(self) -> int:
-        """All of it: llama.cpp allocates and clears the whole cache when the context is created."""
-        return self.kv.bytes
+        """All of it: llama.cpp allocates and clears the whole cache, its cells rounded up, when the context is
+        created."""
+        return self._cells * self.kv.bytes_per_token
 
     def memory_bytes(self) -> int:
         return self.loaded.info.weight_bytes + self.kv_bytes()

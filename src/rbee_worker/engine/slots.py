@@ -33,9 +33,9 @@ def kv_budget(device: torch.device) -> int:
 
 def slot_tokens(context: int, slots: int, bytes_per_token: int, budget: int) -> int:
     """Tokens per KV slot: the model's context, or less where `slots` of them would not fit in `budget` bytes. Raises
-    ModelLoadError when a slot would hold fewer than MIN_SLOT_TOKENS."""
+    ModelLoadError when the budget leaves a slot fewer than MIN_SLOT_TOKENS (a shorter context is its own choice)."""
     slot_len = min(context, budget // (slots * bytes_per_token))
-    if slot_len < MIN_SLOT_TOKENS:
+    if slot_len < min(context, MIN_SLOT_TOKENS):
         raise ModelLoadError(
             f"the KV cache for --max-batch {slots} does not fit in {budget / 2**30:.1f} GiB "
             f"({bytes_per_token} bytes per token): lower --max-batch or give the cache more memory"

@@ -34,6 +34,19 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerFast
     info: ModelInfo
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of a raw prompt, exactly as the model's tokenizer makes them (BOS as its settings say)."""
+        return tuple(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template renders (transformers' apply_chat_template), by default ending
+        with the assistant turn's header. Raises ValueError when the model has no template, or a template error."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
+        # The template writes BOS and the other special tokens itself, so none are added again.
+        return self.tokenize(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
+
 
 def context_length_of(config) -> int:
     """The longest sequence the model was built for, under the names different architectures use."""
