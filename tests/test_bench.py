@@ -1,5 +1,7 @@
 """`rbee-worker bench`: how the rounds' figures and ratios are combined; what the llama.cpp peer's bare loop times."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,34 @@ def test_bench_rejects_fewer_than_one_round_or_repeat() -> None:
         result = cli("bench", flag, "0")
         assert result.returncode == 2
         assert f"argument {flag}: 0 is outside [1," in result.stderr.strip().splitlines()[-1]
+
+
+def test_bench_help_shows_every_default_and_the_work_of_a_default_run() -> None:
+    result = cli("bench", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    shown = [
+        "default: demo", "default: cpu", "default: auto", "default: 512", "default: 128", "default: 1,4,16,64",
+        "default: greedy", "default: 3", "default: 1)", "default: transformers", "default: a new directory rbee-bench-",
+        "default: warning", "33,152 generated tokens",
+    ]  # fmt: skip
+    for default in shown:
+        assert default in text, (default, text)
+
+
+def test_bench_writes_to_a_new_directory_outside_the_repository_by_default(tmp_path: Path) -> None:
+    """A tiny run (the worker alone) from a directory that has a bench/results of its own: the results go to a new
+    rbee-bench-<date>-<time> directory there, and bench/results is left alone."""
+    recorded = tmp_path / "bench" / "results"
+    recorded.mkdir(parents=True)
+    tiny = ["--gen-tokens", "4", "--prompt-tokens", "16", "--concurrency", "1", "--repeats", "1", "--peers="]
+    command = [sys.executable, "-m", "rbee_worker", "bench", *tiny]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert not any(recorded.iterdir())
+    [out] = tmp_path.glob("rbee-bench-*")
+    assert sorted(p.suffix for p in out.iterdir()) == [".json", ".md"]
+    assert f"results: {out.name}/bench_demo_cpu_auto_c1_" in result.stdout
 
 
 def test_llama_cpp_batched_decode_counts_the_prompts_as_the_workers_aggregate_does(demo_gguf: Path) -> None:

@@ -115,7 +115,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_log_flags(parser: argparse.ArgumentParser, default_level: str) -> None:
     group = parser.add_argument_group("logs")
-    group.add_argument("--log-level", default=default_level, choices=["debug", "info", "warning", "error"])
+    group.add_argument(
+        "--log-level",
+        default=default_level,
+        choices=["debug", "info", "warning", "error"],
+        help=f"default: {default_level}",
+    )
     group.add_argument(
         "--log-format", choices=LOG_FORMATS, default=None, help="default: json, or pretty when stderr is a terminal"
     )
@@ -258,36 +263,78 @@ def build_parser() -> Parser:
     )
     serve.set_defaults(run=run_serve)
 
-    bench = commands.add_parser("bench", help="measure rbee-worker through its HTTP API against the peers")
+    bench = commands.add_parser(
+        "bench",
+        help="measure rbee-worker through its HTTP API against the peers",
+        description="Measure rbee-worker (a `serve` process) through its HTTP API, and each of --peers on the same "
+        "weights. The worker's work in each of --rounds: one warm-up stream, --repeats + 1 prompts of "
+        "--prompt-tokens, then --repeats single streams and --repeats rounds of each --concurrency, every stream "
+        "generating --gen-tokens: with the defaults (1 + 3 x (1 + 1+4+16+64)) x 128 = 33,152 generated tokens; each "
+        "peer measures what it supports of the same (transformers: the prompts and the single streams). "
+        "A quick look: --concurrency 1,4 --repeats 1 --peers= (the worker alone).",
+    )
     add_log_flags(bench, "warning")
-    bench.add_argument("--model", default="demo")
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--prompt-tokens", type=int, default=512)
-    bench.add_argument("--gen-tokens", type=int, default=128)
-    bench.add_argument("--concurrency", type=comma_list(int), default=CONCURRENCY)
+    bench.add_argument("--model", default="demo", help="as for serve (default: demo)")
+    bench.add_argument("--device", default="cpu", help="as for serve (default: cpu)")
+    bench.add_argument("--dtype", default="auto", help="as for serve (default: auto)")
+    bench.add_argument(
+        "--prompt-tokens",
+        type=bounded(int, 1),
+        default=512,
+        help="the long prompt, for the time to first token (default: 512)",
+    )
+    bench.add_argument(
+        "--gen-tokens", type=bounded(int, 2), default=128, help="tokens each measured stream generates (default: 128)"
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=comma_list(int),
+        default=CONCURRENCY,
+        help=f"comma-separated stream counts for the aggregate tokens/s (default: {','.join(map(str, CONCURRENCY))})",
+    )
     bench.add_argument(
         "--sampling",
         choices=list(SAMPLING),
         default="greedy",
-        help="greedy, or chat: temperature 0.7 and top_p 0.9 (a chat client's usual settings), for every system",
+        help="greedy, or chat: temperature 0.7 and top_p 0.9 (a chat client's usual settings), for every system "
+        "(default: greedy)",
     )
-    bench.add_argument("--repeats", type=bounded(int, 1), default=3)
+    bench.add_argument(
+        "--repeats",
+        type=bounded(int, 1),
+        default=3,
+        help="runs of each measurement, reported as the median (default: 3)",
+    )
     bench.add_argument(
         "--rounds",
         type=bounded(int, 1),
         default=1,
-        help="measure the worker and the peers in turn this many times (medians)",
+        help="measure the worker and the peers in turn this many times (medians) (default: 1)",
     )
-    bench.add_argument("--threads", type=int, default=None, help="torch / llama.cpp threads for the peers")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch / llama.cpp threads for the peers (default: the physical cores)",
+    )
     bench.add_argument(
         "--peers",
         type=comma_list(str),
         default=["transformers"],
-        help=f"comma-separated, from {', '.join([*PEERS, *WORKER_PEERS])}",
+        help=f"comma-separated, from {', '.join([*PEERS, *WORKER_PEERS])}; empty: the worker alone "
+        "(default: transformers)",
     )
-    bench.add_argument("--worker-flag", action="append", default=[], help="extra flag for `serve` (repeatable)")
-    bench.add_argument("--out", default="bench/results")
+    bench.add_argument(
+        "--worker-flag", action="append", default=[], help="extra flag for `serve` (repeatable; default: none)"
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the results (.json and .md) go (default: a new directory rbee-bench-<date>-<time> in the current "
+        "directory; bench/results, the repository's recorded results, only when given)",
+    )
     bench.set_defaults(run=run_bench)
     return parser
 

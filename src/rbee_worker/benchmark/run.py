@@ -11,8 +11,9 @@ with --sampling's temperature and top_p, prompt given as token ids, `ignore_eos`
 Each is the median of --repeats runs. Peers (peers.py) run one per fresh process on the same weights, dtype and
 prompt ids. With --rounds N the worker and every peer are measured in turn N times (worker, peers, worker, ...), so
 a machine whose speed drifts (a shared VM) weighs on all of them alike: each figure is then the median over the
-rounds, and each ratio the median of the rounds' own ratios. Results go to bench/results/bench_<machine>.json and
-.md, with the machine and card named.
+rounds, and each ratio the median of the rounds' own ratios. Results go to bench_<model>_..._<machine>.json and .md,
+with the machine and card named, in --out: by default a new directory rbee-bench-<date>-<time> in the current
+directory, so that a run never overwrites the results recorded in bench/results (written there only when asked).
 """
 
 import argparse
@@ -353,7 +354,7 @@ def main(args: argparse.Namespace) -> int:
     # "Intel(R) Xeon(R) Processor" -> "Intel_Xeon_Processor": a file name without shell-special characters
     machine_name = result["machine"].get("gpu") or result["machine"]["cpu"]
     name = "_".join(re.sub(r"\(R\)|\(TM\)|[^\w.-]", " ", machine_name).split())
-    out = Path(args.out)
+    out = args.out or Path(f"rbee-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     flags = "".join(f"_{flag.lstrip('-').replace('=', '_')}" for flag in args.worker_flag)
     streams = "" if args.concurrency == CONCURRENCY else "_c" + "-".join(map(str, args.concurrency))
@@ -363,4 +364,5 @@ def main(args: argparse.Namespace) -> int:
     stem = f"bench_{Path(args.model).stem}_{args.device.replace(':', '')}_{args.dtype}{run}_{name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
+    print(f"results: {out / stem}.json and .md")
     return 0
