@@ -265,6 +265,9 @@ class Engine:
         self._thread.join()
         # A request that raced with close never reached the loop: end it rather than leave its caller waiting.
         self._end_inbox(ErrorCode.CANCELLED, "the engine shut down")
+        # What freeze_heap froze goes back to the collector, so that the interpreter's finalization frees it: frozen
+        # objects outlive it, and extensions that check for leaks at exit (Triton's nanobind) report them on stderr.
+        gc.unfreeze()
 
     @property
     def running_requests(self) -> int:
