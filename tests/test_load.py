@@ -167,7 +167,8 @@ def test_soak_memory_stays_flat(tmp_path: Path) -> None:
         )
         assert growth < RSS_GROWTH_LIMIT
         assert health["state"] == "idle"
-        assert "rbee:kv_cache_usage_perc 0.0" in metrics.splitlines()  # every KV slot given back
+        usage = [line for line in metrics.splitlines() if line.startswith("rbee:kv_cache_usage_perc{")]
+        assert len(usage) == 1 and usage[0].endswith(" 0.0"), usage  # every KV slot given back
     finally:
         assert worker.stop() == 0, worker.stderr()
 
