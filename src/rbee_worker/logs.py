@@ -50,3 +50,6 @@ def configure_logging(level: str, log_format: str | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else PrettyFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # httpx logs each request it sends at info: every heartbeat, and the route-table request at start-up. The worker
+    # logs what those mean itself (a failed callback or heartbeat); httpx's own lines stay for --log-level debug.
+    logging.getLogger("httpx").setLevel(logging.NOTSET if level.lower() == "debug" else logging.WARNING)
