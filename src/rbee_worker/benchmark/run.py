@@ -18,6 +18,7 @@ directory, so that a run never overwrites the results recorded in bench/results 
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import gc
 import json
@@ -160,6 +161,8 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
                 healthy = time.monotonic() - started
                 gc.collect()
                 gc.freeze()
+                # Given back at exit, so that the interpreter's finalization frees it (see Engine.close).
+                atexit.register(gc.unfreeze)
                 return process, url, healthy
         except httpx.TransportError:
             pass
