@@ -434,9 +434,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_runtime_flags(args)
     from rbee_worker.generate import generate
 
-    # As for serve: nothing is left to clean up, and the interpreter's finalization only costs time (and, where
-    # Triton is installed, prints nanobind's leak report on stderr).
-    exit_at_once(generate(args))
+    return generate(args)
 
 
 # Why the llama.cpp runtime cannot honour a flag that only the torch runtime honours. No flag is honoured by the

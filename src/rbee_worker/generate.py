@@ -26,11 +26,15 @@ def generate(args: argparse.Namespace) -> int:
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
 
+    prompt: tuple[int, ...] = ()  # --prompt's token ids, made once by `load`
+
     def load() -> LoadedModel:
         """The model with its context cut to this request (the prompt and --max-tokens, at most the model's own), so
         that the one KV slot holds what the request needs and no more."""
+        nonlocal prompt
         loaded = load_model(args.model, placement, quantize=quantize, runtime=runtime)
-        needed = len(prompt_ids(loaded, args)) + args.max_tokens
+        prompt = prompt_ids(loaded, args)
+        needed = len(prompt) + args.max_tokens
         info = dataclasses.replace(loaded.info, context_length=min(loaded.info.context_length, needed))
         return dataclasses.replace(loaded, info=info)
 
@@ -49,7 +53,7 @@ def generate(args: argparse.Namespace) -> int:
             info.weight_bytes >> 20,
         )
         request = Request(
-            prompt_ids=prompt_ids(engine.loaded, args),
+            prompt_ids=prompt,
             max_tokens=args.max_tokens,
             sampling=sampling_params(args),
             seed=args.seed,

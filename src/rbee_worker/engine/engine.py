@@ -437,8 +437,8 @@ def freeze_heap() -> None:
     """Move every object alive now (the model, its tokenizer, torch.compile's and transformers' structures) into the
     collector's permanent generation, as vLLM does after its warm-up. A full collection walks every tracked object:
     with that heap it stalls the step loop and the HTTP thread, for a time that grows with the heap, at whichever
-    request happens to trigger it. Frozen objects are never walked again;
-    what requests create is collected as before."""
+    request happens to trigger it. Frozen objects are never walked again; what requests create is collected as
+    before."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
