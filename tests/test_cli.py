@@ -117,3 +117,42 @@ def test_compile_defaults_to_on_inside_cuda_graphs_only(device: str, flags: list
 
     args = build_parser().parse_args(["serve", "--model", "demo", *flags])
     assert compile_model(Placement(torch.device(device), torch.bfloat16), args) is compiled
+
+
+@pytest.mark.parametrize(
+    ("flags", "block_size", "prefix_caching"),
+    [([], 16, True), (["--block-size", "32"], 32, True), (["--no-prefix-cache", "--block-size", "1"], 1, False)],
+)
+def test_block_size_and_prefix_cache_flags_reach_the_engine_config(
+    flags: list[str], block_size: int, prefix_caching: bool
+) -> None:
+    import torch
+
+    from rbee_worker.cli import build_parser, engine_config
+    from rbee_worker.devices import Placement
+
+    args = build_parser().parse_args(["serve", "--model", "demo", *flags])
+    config = engine_config(args, Placement(torch.device("cpu"), torch.float32))
+    assert (config.block_size, config.prefix_caching) == (block_size, prefix_caching)
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--block-size", "0"], "argument --block-size: 0 is outside [1, ∞]"),
+        (["--block-size", "-16"], "argument --block-size: -16 is outside [1, ∞]"),
+        (["--block-size", "16.5"], "argument --block-size: '16.5' is not a valid int"),
+        (["--block-size"], "argument --block-size: expected one argument"),
+        (["--no-prefix-cache=yes"], "argument --no-prefix-cache: ignored explicit argument 'yes'"),
+    ],
+)
+def test_bad_kv_block_flags_are_one_line_usage_errors(
+    flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rbee_worker.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "demo", *flags])
+    assert exited.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("error: ") and fragment in stderr and len(stderr.strip().splitlines()) == 1, stderr

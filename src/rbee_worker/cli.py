@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it n
     import torch
 
     from rbee_worker.devices import Placement
+    from rbee_worker.engine.config import EngineConfig
 
 log = logging.getLogger("rbee_worker")
 
@@ -164,7 +165,12 @@ def build_parser() -> Parser:
     add_log_flags(serve, "info")
     jobs = serve.add_argument_group("jobs")
     jobs.add_argument(
-        "--max-batch", type=bounded(int, 1), default=16, metavar="N", help="jobs that run at once (default 16)"
+        "--max-batch",
+        type=bounded(int, 1),
+        default=16,
+        metavar="N",
+        help="jobs that run at once, sharing the KV block pool (default 16); when the pool runs out of free blocks, "
+        "the newest running job is preempted (its blocks freed, its tokens computed again later)",
     )
     jobs.add_argument(
         "--max-queue",
@@ -185,8 +191,26 @@ def build_parser() -> Parser:
         type=bounded(float, 0.0, low_open=True),
         default=None,
         metavar="GIB",
-        help="memory for the KV cache, shared equally by the --max-batch slots up to the context (default: 90%% of the "
-        "GPU memory left after the weights; on a CPU half the available memory, touched only as contexts grow)",
+        help="memory for the KV cache: one pool of KV blocks (--block-size positions each) shared by all running jobs, "
+        "each holding the blocks of its own tokens; the context offered per job is the model's own (or --max-context) "
+        "whenever one job fits in the pool, else what the pool holds (default: 90%% of the GPU memory left after the "
+        "weights; on a CPU half the available memory, touched only as contexts grow)",
+    )
+    jobs.add_argument(
+        "--block-size",
+        type=bounded(int, 1),
+        default=16,
+        metavar="TOKENS",
+        help="token positions per KV block (default 16; a power of two is usual): the unit that jobs take from the "
+        "pool, and that the prefix cache reuses (only whole blocks of a prompt are found there)",
+    )
+    jobs.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="compute every prompt in full; by default a prompt's leading whole blocks whose tokens an earlier job "
+        "computed (a shared system prompt, a conversation's earlier turns) are reused from the KV blocks it left, not "
+        "computed again (usage.prompt_tokens_details.cached_tokens, the end event's cached_tokens)",
     )
     jobs.add_argument(
         "--cuda-graphs",
@@ -368,7 +392,6 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: exit_at_once(0))
     from rbee_worker.config import WorkerConfig
     from rbee_worker.devices import resolve_placement
-    from rbee_worker.engine.config import EngineConfig
     from rbee_worker.models.loader import check_runtime
     from rbee_worker.server import serve
 
@@ -376,15 +399,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_runtime(args.runtime, placement.device)
     runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
     config = WorkerConfig(
-        engine=EngineConfig(
-            deterministic=args.deterministic,
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
-            cuda_graphs=args.cuda_graphs,
-            compile_model=compile_model(placement, args),
-            threads=args.threads,
-        ),
+        engine=engine_config(args, placement),
         model=args.model,
         placement=placement,
         quantize=quantize,
@@ -409,6 +424,23 @@ def run_serve(args: argparse.Namespace) -> int:
     # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
     # during which it restores the default signal handlers: a second Ctrl-C then would kill the process.
     exit_at_once(0)
+
+
+def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineConfig":
+    """The engine's settings from `serve`'s flags."""
+    from rbee_worker.engine.config import EngineConfig
+
+    return EngineConfig(
+        deterministic=args.deterministic,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+        block_size=args.block_size,
+        prefix_caching=args.prefix_cache,
+        cuda_graphs=args.cuda_graphs,
+        compile_model=compile_model(placement, args),
+        threads=args.threads,
+    )
 
 
 def read_chat_template(value: str) -> str:
@@ -438,8 +470,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 # Why the llama.cpp runtime cannot honour a flag that only the torch runtime honours. No flag is honoured by the
-# llama.cpp runtime alone: --threads, --deterministic, --max-batch, --max-context, --kv-cache-gb and --chat-template
-# apply on both, and the CUDA graph flags apply to a CUDA device, where only torch runs.
+# llama.cpp runtime alone: --threads, --deterministic, --max-batch, --max-context, --kv-cache-gb, --block-size,
+# --no-prefix-cache and --chat-template apply on both (on llama.cpp, whose memory does not follow the block tables, the
+# blocks are accounting only and no prefix is shared), and the CUDA graph flags apply to a CUDA device, where only torch
+# runs.
 KEEPS_FILE_TYPES = "keeps the GGUF file's types"
 NO_TORCH_COMPILE = "runs nothing through torch.compile"
 
