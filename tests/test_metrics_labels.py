@@ -1,7 +1,7 @@
 """Issue 29's metrics, read from a running worker with prometheus-client's own parser: the series vLLM's Grafana
 dashboards query (rbee: for vllm:), with their labels: request successes by `finished_reason` and `model_name`,
-time-to-first-token and inter-token histograms by `model_name`; and every refused request (a 503 when busy, a 400,
-a 404) in rbee:request_failure_total by reason."""
+time-to-first-token and inter-token histograms by `model_name`, the prefix cache's and preemptions' counters; and
+every refused request (a 503 when busy, a 400, a 404) in rbee:request_failure_total by reason."""
 
 import time
 import uuid
@@ -92,3 +92,10 @@ def test_refusals_and_results_by_vllms_labels(http: httpx.Client) -> None:
     for gauge in ("rbee:num_requests_running", "rbee:num_requests_waiting", "rbee:kv_cache_usage_perc"):
         kind, samples = metrics[gauge]
         assert kind == "gauge" and value(samples, gauge, model_name=NAME) == 0
+    # The engine's own counters (vLLM v1's names), by model_name too: the prompts above were looked up in the prefix
+    # cache; one slot and short jobs preempt nothing.
+    for counter in ("rbee:prefix_cache_queries", "rbee:prefix_cache_hits", "rbee:num_preemptions"):
+        kind, samples = metrics[counter]
+        assert kind == "counter" and [s.labels for s in samples if s.name.endswith("_total")] == [{"model_name": NAME}]
+    assert value(metrics["rbee:prefix_cache_queries"][1], "rbee:prefix_cache_queries_total", model_name=NAME) > 0
+    assert value(metrics["rbee:num_preemptions"][1], "rbee:num_preemptions_total", model_name=NAME) == 0

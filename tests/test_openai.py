@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "test-token-0123456789"
 QUESTION = [{"role": "user", "content": "Name three colors."}]
+BLOCK_SIZE = 16  # --block-size's default: the prefix cache finds whole blocks
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)
@@ -68,7 +69,13 @@ def test_chat_streamed_equals_non_streamed_with_usage(client: openai.OpenAI, htt
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     *content_chunks, usage_chunk = chunks
-    assert usage_chunk.choices == [] and usage_chunk.usage == full.usage
+    # The same prompt again: its leading whole blocks may come from the prefix cache this time (not on llama.cpp).
+    assert usage_chunk.choices == [] and usage_chunk.usage.model_dump(exclude={"prompt_tokens_details"}) == (
+        full.usage.model_dump(exclude={"prompt_tokens_details"})
+    )
+    cached = usage_chunk.usage.prompt_tokens_details.cached_tokens
+    assert cached % BLOCK_SIZE == 0 and 0 <= cached < prompt_tokens
+    assert full.usage.prompt_tokens_details.cached_tokens <= cached
     assert all(c.usage is None for c in content_chunks)
     assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == choice.message.content
     assert [c.choices[0].finish_reason for c in content_chunks][-1] == choice.finish_reason
@@ -253,6 +260,10 @@ def test_metrics_move_by_exactly_the_requests_made(client: openai.OpenAI, http: 
     assert moved(f"rbee:inter_token_latency_seconds_count{{{model}}}") == intervals
     assert after[f"rbee:num_requests_running{{{model}}}"] == 0 and after[f"rbee:num_requests_waiting{{{model}}}"] == 0
     assert after[f"rbee:kv_cache_usage_perc{{{model}}}"] == 0
+    # Every prompt is looked up in the prefix cache once.
+    assert moved(f"rbee:prefix_cache_queries_total{{{model}}}") == prompt_tokens
+    assert 0 <= moved(f"rbee:prefix_cache_hits_total{{{model}}}") <= prompt_tokens
+    assert moved(f"rbee:num_preemptions_total{{{model}}}") == 0
     ttft_count = after[f"rbee:time_to_first_token_seconds_count{{{model}}}"]
     assert after[f"rbee:time_to_first_token_seconds_bucket{{{model},le=+Inf}}"] == ttft_count
 

@@ -20,8 +20,14 @@ vLLM's Grafana dashboards work unchanged on a worker:
   (another 503), `client_error` (another 4xx) or `server_error` (another 5xx). /health's 503 reports the worker's
   condition and refuses nothing: it is not counted.
 
+The KV block pool and the prefix cache, as vLLM v1 names them: `rbee:kv_cache_usage_perc` (the share of the pool's
+blocks that running jobs hold), `rbee:prefix_cache_queries_total` and `rbee:prefix_cache_hits_total` (prompt tokens
+looked up in the prefix cache, and of them found there: hits / queries is the hit rate) and
+`rbee:num_preemptions_total` (running jobs preempted for want of free blocks).
+
 Counters and histograms are fed by the engine thread through the EngineObserver methods below (prometheus-client
-is thread-safe); the gauges read the engine's counters when scraped.
+is thread-safe); the gauges and the engine's own counters (prefix cache, preemptions) are read from the engine when
+scraped.
 """
 
 from collections.abc import Callable, Iterator
@@ -30,7 +36,7 @@ from functools import cached_property
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rbee_worker.api.native_schema import UNAUTHORIZED
@@ -119,7 +125,7 @@ class Metrics:
         )
 
     def watch(self, engine: Engine, model_name: Callable[[], str]) -> None:
-        """Read the gauges from the engine at each scrape; label every series with `model_name()`."""
+        """Read the gauges and the engine's counters at each scrape; label every series with `model_name()`."""
         self.model_name = model_name
         self.registry.register(EngineGauges(engine, model_name))
 
@@ -157,13 +163,14 @@ class Metrics:
 
 
 class EngineGauges(Collector):
-    """The gauges, read from the engine at each scrape and labelled with the model name of that moment."""
+    """The gauges and the counters the engine keeps itself (prefix cache, preemptions), read from the engine at each
+    scrape and labelled with the model name of that moment."""
 
     def __init__(self, engine: Engine, model_name: Callable[[], str]) -> None:
         self.engine = engine
         self.model_name = model_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         engine, name = self.engine, self.model_name()
         running = engine.running_requests
         yield gauge("rbee:num_requests_running", "Jobs running in the engine", name, running)
@@ -171,10 +178,18 @@ class EngineGauges(Collector):
         yield gauge("rbee:num_requests_waiting", "Jobs waiting for a running slot", name, waiting)
         usage = engine.kv_cache_usage()
         yield gauge(
-            "rbee:kv_cache_usage_perc",
-            "KV cache in use, as a fraction of what max-batch jobs at full context would need",
+            "rbee:kv_cache_usage_perc", "Share of the KV cache's blocks that running jobs hold (0..1)", name, usage
+        )
+        queries, hits = engine.prefix_cache_tokens()
+        yield counter("rbee:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", name, queries)
+        yield counter(
+            "rbee:prefix_cache_hits", "Prompt tokens found in the prefix cache, of those looked up", name, hits
+        )
+        yield counter(
+            "rbee:num_preemptions",
+            "Running jobs preempted for want of free KV blocks (their blocks freed, their tokens computed again later)",
             name,
-            usage,
+            engine.preemptions,
         )
         memory = GaugeMetricFamily(
             "rbee:memory_bytes",
@@ -188,6 +203,13 @@ class EngineGauges(Collector):
 
 def gauge(metric: str, documentation: str, model_name: str, value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(metric, documentation, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
+def counter(metric: str, documentation: str, model_name: str, value: float) -> CounterMetricFamily:
+    """A counter the engine keeps, exposed as `<metric>_total`."""
+    family = CounterMetricFamily(metric, documentation, labels=["model_name"])
     family.add_metric([model_name], value)
     return family
 

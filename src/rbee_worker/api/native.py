@@ -338,6 +338,7 @@ def event_json(event: Event, job_id: str, model: str) -> dict:
             "type": "end",
             "tokens_out": event.tokens_out,
             "prompt_tokens": event.prompt_tokens,
+            "cached_tokens": event.cached_tokens,
             "decode_time_ms": round(event.decode_time_s * 1000, 3),
             "stop_reason": event.stop_reason.value,
             "seed": event.seed,

@@ -33,7 +33,7 @@ class Health(BaseModel):
     runtime: Literal["torch", "llama.cpp"] | None = None  # what runs the model (--runtime)
     slots_total: int | None = None  # --max-batch
     slots_busy: int | None = None  # jobs holding a slot (others in flight wait in the queue)
-    kv_cache_usage_perc: float | None = None  # share of the KV cache's token positions in use, 0..1
+    kv_cache_usage_perc: float | None = None  # share of the KV cache's blocks that running jobs hold, 0..1
     cpu: CpuInfo | None = None
     message: str | None = None  # why it is unhealthy
 

@@ -360,10 +360,12 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
 
 
 def usage(end: End) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens found in the prefix cache."""
     return {
         "prompt_tokens": end.prompt_tokens,
         "completion_tokens": end.tokens_out,
         "total_tokens": end.prompt_tokens + end.tokens_out,
+        "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
     }
 
 

@@ -142,10 +142,18 @@ class ChatCompletionRequest(GenerationFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="prompt tokens found in the prefix cache (whole KV blocks), whose keys and values were not "
+        "computed again; 0 with --no-prefix-cache"
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int  # generated tokens, the end-of-sequence token excluded
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 FinishReason = Literal["stop", "length"]
