@@ -11,7 +11,6 @@ from conftest import assert_launched_ahead_as_waiting, greedy, is_compiled, make
 from rbee_worker.devices import Placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.kv_cache import decode_mask
 from rbee_worker.engine.runner import PromptRow
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request, Token
@@ -23,7 +22,7 @@ from rbee_worker.models.merged_linear import stack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 if torch.cuda.is_available():
-    from rbee_worker.engine.decode_attention import decode_attention
+    from rbee_worker.engine.decode_attention import paged_decode_attention, splits_for
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
 # Two logits closer than this may swap places between two summation orders: 2 bfloat16 steps of a logit below 8.
@@ -313,25 +312,47 @@ def top_two(engine: Engine, prompt_ids: tuple[int, ...]) -> tuple[tuple[int, flo
 
 
 @pytest.mark.parametrize(
-    ("rows", "heads", "kv_heads", "head_dim", "span"),
-    [(1, 32, 8, 128, 1024), (3, 4, 2, 64, 200), (64, 8, 8, 128, 128), (5, 9, 3, 64, 2048)],
-)
-def test_decode_attention_kernel_matches_sdpa(rows: int, heads: int, kv_heads: int, head_dim: int, span: int) -> None:
-    """The split-KV decode kernel on views into a cache (as the engine passes them) against float32 SDPA over each
-    row's visible positions, with rows of every length from 1 to the span and a dummy row of length 0."""
+    ("rows", "heads", "kv_heads", "head_dim", "span", "block_size"),
+    [(1, 32, 8, 128, 1024, 16), (3, 4, 2, 64, 200, 16), (64, 8, 8, 128, 128, 16), (5, 9, 3, 64, 2048, 32),
+     (4, 32, 8, 128, 4000, 16), (2, 8, 2, 256, 300, 1)],
+)  # fmt: skip
+def test_decode_attention_kernel_matches_sdpa(
+    rows: int, heads: int, kv_heads: int, head_dim: int, span: int, block_size: int
+) -> None:
+    """The paged decode kernel, reading a pool of blocks through shuffled block tables (the key and value caches
+    views into one pool), against float32 SDPA over each row's positions gathered through its table, with rows of
+    every length from 1 to the span and a padding row of length 0 (zeros). Then one CUDA graph of it, replayed after
+    new lengths are written into its inputs, gives what a direct call gives for them."""
     torch.manual_seed(0)
-    cache = torch.randn(2, rows, kv_heads, span + 7, head_dim, device=CUDA, dtype=torch.bfloat16)
-    key, value = cache[0, :, :, :span], cache[1, :, :, :span]
-    query = torch.randn(rows, heads, 1, head_dim, device=CUDA, dtype=torch.bfloat16)
-    lengths = torch.randint(1, span + 1, (rows,), device=CUDA)
+    max_blocks = -(-span // block_size)
+    num_blocks = rows * max_blocks + 3
+    pool = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=CUDA, dtype=torch.bfloat16)
+    key_cache, value_cache = pool[:, 0], pool[:, 1]
+    tables = torch.randperm(num_blocks, device=CUDA)[: rows * max_blocks].view(rows, max_blocks).to(torch.int32)
+    query = torch.randn(rows, 1, heads, head_dim, device=CUDA, dtype=torch.bfloat16).transpose(1, 2)
+    lengths = torch.randint(1, span + 1, (rows,), device=CUDA, dtype=torch.int32)
     lengths[0] = span
     lengths[-1] = 0 if rows > 1 else lengths[-1]
-    mask = decode_mask(lengths, span, torch.bfloat16)
-    got = decode_attention(query, key, value, mask, head_dim**-0.5).float()
-    group = heads // kv_heads
+    scale, splits = head_dim**-0.5, splits_for(rows, kv_heads, CUDA)
+    got = paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits)
+    positions = torch.arange(span, device=CUDA)
+    slots = tables[:, positions // block_size].long(), positions % block_size  # each row's span: [rows, span] each
+    key, value = (
+        cache[slots].transpose(1, 2).float().repeat_interleave(heads // kv_heads, 1) for cache in pool.unbind(1)
+    )
+    mask = torch.where(positions < lengths[:, None], 0.0, float("-inf"))[:, None, None, :]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1),
-        attn_mask=mask.float(), scale=head_dim**-0.5,
+        query.float(), key, value, attn_mask=mask, scale=scale
     ).transpose(1, 2)  # fmt: skip
-    assert got.shape == (rows, 1, heads, head_dim)
-    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+    padding = lengths == 0
+    expected[padding] = 0.0  # SDPA gives NaN where every position is masked
+    assert got.shape == (rows, 1, heads, head_dim) and got.dtype == torch.bfloat16
+    assert torch.equal(got[padding], torch.zeros_like(got[padding]))
+    assert (got.float() - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits)
+    lengths.copy_(torch.randint(0, span + 1, (rows,), device=CUDA, dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(replayed, paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits))

@@ -1,9 +1,11 @@
-"""The CUDA int4 kernels (models/cuda_weight_only.py) run by Triton's interpreter on the CPU, so that CI, which has no
-GPU, checks their logic: the packing, the masks of partial tiles, the split-K sums and their order, and each of the
-three paths of `int4_matmul`. tests/test_cuda.py checks the same kernels compiled, on a GPU.
+"""The CUDA Triton kernels run by Triton's interpreter on the CPU, so that CI, which has no GPU, checks their logic.
+The int4 kernels (models/cuda_weight_only.py): the packing, the masks of partial tiles, the split-K sums and their
+order, and each of the three paths of `int4_matmul`. The paged decode attention (engine/decode_attention.py): the
+gather through block tables, each program's chunk of its row's length, empty chunks and padding rows, and the merge.
+tests/test_cuda.py checks the same kernels compiled, on a GPU.
 
 The interpreter is chosen when Triton is imported, so the checks run in a child process. Its `tl.dot` on bfloat16
-multiplies the raw bits, so the rows that take the `tl.dot` kernel use float32 activations here."""
+multiplies the raw bits, so the rows that take a `tl.dot` kernel use float32 (or float16) inputs here."""
 
 import os
 import subprocess
@@ -56,6 +58,69 @@ CHECKS = textwrap.dedent(
 )
 
 
+DECODE_CHECKS = textwrap.dedent(
+    """
+    import torch
+    from rbee_worker.engine import decode_attention
+    from rbee_worker.engine.decode_attention import MAX_SPLITS, paged_decode_attention, splits_for
+
+    # splits_for: about two programs per multiprocessor (132 here), from the rows and key/value heads alone.
+    decode_attention._multiprocessors = lambda device: 132
+    cuda = torch.device("cuda", 0)
+    shapes = ((1, 8), (3, 8), (33, 8), (64, 8), (1, 1), (512, 32))
+    assert [splits_for(rows, kv_heads, cuda) for rows, kv_heads in shapes] == [33, 11, 1, 1, MAX_SPLITS, 1]
+
+
+    def reference(query, key_cache, value_cache, tables, lengths, scale):
+        # float32 softmax attention over each row's positions, gathered through its block table
+        rows, heads, _, head_dim = query.shape
+        block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+        out = torch.zeros(rows, 1, heads, head_dim)
+        for r, length in enumerate(lengths.tolist()):
+            p = torch.arange(length)
+            blocks = tables[r, p // block_size].long()
+            key = key_cache[blocks, p % block_size].float().repeat_interleave(heads // kv_heads, 1)
+            value = value_cache[blocks, p % block_size].float().repeat_interleave(heads // kv_heads, 1)
+            scores = torch.einsum("hd,phd->hp", query[r, :, 0].float(), key) * scale
+            out[r, 0] = torch.einsum("hp,phd->hd", scores.softmax(-1), value)
+        return out
+
+
+    torch.manual_seed(0)
+    # 1, 17: fewer steps than splits; 64, 65: one step whole, then one position more; 0: a padding row
+    lengths = torch.tensor([1, 17, 64, 65, 300, 0], dtype=torch.int32)
+    rows, head_dim, scale = len(lengths), 64, 64**-0.5
+    cases = ((8, 2, 16, torch.float32), (4, 4, 32, torch.float32), (8, 2, 1, torch.float32),
+             (8, 2, 16, torch.float16))
+    for heads, kv_heads, block_size, dtype in cases:
+        max_blocks = -(-300 // block_size) + 2
+        num_blocks = rows * max_blocks + 5
+        # key and value interleaved in one pool: each cache is a view whose block stride is not its own block's size
+        pool = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim).to(dtype)
+        key_cache, value_cache = pool[:, 0], pool[:, 1]
+        # each row's blocks scattered through the pool; the entries past a row's length point far outside it, so a
+        # read through one crashes the child
+        tables = torch.full((rows, max_blocks), 10**6, dtype=torch.int32)
+        order = torch.randperm(num_blocks).to(torch.int32)
+        for r, length in enumerate(lengths.tolist()):
+            used = -(-length // block_size)
+            tables[r, :used], order = order[:used], order[used:]
+        query = torch.randn(rows, 1, heads, head_dim).to(dtype).transpose(1, 2)  # as transformers passes it
+        expected = reference(query, key_cache, value_cache, tables, lengths, scale)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+        for splits in (1, 3, 8):
+            got = paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits)
+            assert got.shape == (rows, 1, heads, head_dim) and got.dtype == dtype
+            assert torch.equal(got[-1], torch.zeros_like(got[-1])), "a padding row gives zeros"
+            case = (heads, kv_heads, block_size, dtype, splits)
+            torch.testing.assert_close(
+                got.float(), expected, rtol=tolerance, atol=tolerance, msg=lambda m, case=case: f"{case}: {m}"
+            )
+    print("ok")
+    """
+)
+
+
 def test_int4_kernels_in_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -63,3 +128,12 @@ def test_int4_kernels_in_the_triton_interpreter() -> None:
         [sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_paged_decode_attention_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", DECODE_CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])

@@ -1,14 +1,19 @@
-"""Attention of a decode step on CUDA (one query token per row) as a split-KV Triton kernel ("flash decoding").
+"""Attention of a decode step on CUDA (one query token per row) over a paged KV cache, as a split-KV Triton kernel
+("flash decoding") that reads keys and values through block tables.
 
-Why: one decode step of one sequence is little work, rows x key/value heads wide (8 for a Llama-3.1-8B shape), on a
-GPU with many multiprocessors (132 on an H200), and SDPA's kernel (cuDNN's there) takes several times as long for
-it as this one (bench/results/README.md). Here the span is also split into chunks, each a thread block, and a second
-small kernel merges the chunks' partial results by their log-sum-exp. The query heads that share a key/value head are
-one block's rows (GQA), so each key and value is read once. A block of positions that the mask hides entirely (the
-padding of the span bucket beyond every row's length) is skipped without reading its keys and values, so the work
-follows the sequences' lengths rather than the bucket's: a step's time barely grows with the span bucket.
+The cache is a pool of blocks per layer ([num_blocks, block_size, kv_heads, head_dim], vLLM's layout): position p of
+row r lives in block `block_tables[r, p // block_size]` at offset `p % block_size`, and row r attends to its positions
+0 .. lengths[r] - 1 (a row of length 0 is padding: its output is zeros and nothing of the cache is read).
 
-The mask is the engine's additive one ([rows, 1, 1, span]: 0 where visible, the dtype's minimum elsewhere).
+Why this shape: one decode step of one sequence is little work, rows x key/value heads wide (8 for a Llama-3.1-8B
+shape), on a GPU with many multiprocessors (132 on an H200). So each row's positions are also split into chunks, one
+program each, and a second small kernel merges the chunks' partial results by their log-sum-exp. The query heads that
+share a key/value head are one program's rows (GQA), so each key and value is read once.
+
+Why a fixed grid: the launch is (rows, kv_heads, splits), where `splits_for` depends on the rows and key/value heads
+alone, and each program finds its chunk from its row's length, read inside the kernel. Nothing on the host depends on
+the lengths (no sync, no allocation that follows them), so one CUDA graph captured per row count replays for any
+lengths, and the work still follows each row's own length: a chunk beyond it reads nothing.
 """
 
 import functools
@@ -17,16 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_S = 64  # key positions per step of a block
+BLOCK_S = 64  # key positions per inner step of a program
+MAX_SPLITS = 64  # most programs per row and key/value head
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, lse_ptr,
-    stride_qr, stride_qh, stride_kr, stride_kh, stride_ks, stride_vr, stride_vh, stride_vs, stride_mr,
-    span, chunk, scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, part_ptr, lse_ptr,
+    stride_qr, stride_qh,
+    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    stride_tr, stride_tb,
+    scale,
     HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
@@ -36,25 +44,30 @@ def _split_kernel(
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
+    length = tl.load(lengths_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(length, BLOCK), SPLITS) * BLOCK  # whole steps, so every split but the last is full
     start = split * chunk
-    end = tl.minimum(start + chunk, span)
+    end = tl.minimum(start + chunk, length)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
     for s0 in range(start, end, BLOCK):
         s = s0 + tl.arange(0, BLOCK)
         s_ok = s < end
-        bias = tl.load(mask_ptr + row * stride_mr + s, mask=s_ok, other=float("-inf")).to(tl.float32)
-        if tl.max(bias, 0) > -1e30:  # some position of this block is visible (hidden ones hold the dtype's minimum)
-            k = tl.load(k_ptr + row * stride_kr + kv_head * stride_kh + s[:, None] * stride_ks + d[None, :],
-                        mask=s_ok[:, None], other=0.0)  # fmt: skip
-            scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + row * stride_vr + kv_head * stride_vh + s[:, None] * stride_vs + d[None, :],
-                        mask=s_ok[:, None], other=0.0)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-    seen = l_i > 0
+        block = tl.load(table_ptr + row * stride_tr + (s // BLOCK_SIZE) * stride_tb, mask=s_ok, other=0).to(tl.int64)
+        offset = (s % BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_head + block[:, None] * stride_kb + offset[:, None] * stride_kp + d[None, :],
+                    mask=s_ok[:, None], other=0.0)  # fmt: skip
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every step holds at least one position below end
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + block[:, None] * stride_vb + offset[:, None] * stride_vp + d[None, :],
+                    mask=s_ok[:, None], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    seen = l_i > 0  # false for an empty chunk (beyond the row's length): zeros and lse = -inf, which the merge skips
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     where = (row * HEADS + heads) * SPLITS + split
@@ -72,9 +85,12 @@ def _merge_kernel(
     d = tl.arange(0, D)
     where = (row * HEADS + head) * SPLITS + sp
     lse = tl.load(lse_ptr + where, mask=sp < SPLITS, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, 0))
-    parts = tl.load(part_ptr + where[:, None] * D + d[None, :], mask=(sp < SPLITS)[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    full = lse > float("-inf")  # an empty chunk's part is not read
+    top = tl.max(lse, 0)
+    weight = tl.where(full, tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+    parts = tl.load(part_ptr + where[:, None] * D + d[None, :], mask=full[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # a padding row: no part, zeros
     tl.store(o_ptr + row * stride_or + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -83,42 +99,57 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def supported(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether decode_attention takes these: CUDA, one query token in bfloat16 or float16 (in float32 the tensor
+def splits_for(rows: int, kv_heads: int, device: torch.device) -> int:
+    """How many programs split each row's positions: enough that rows x kv_heads x splits programs fill the GPU
+    about twice over (two per multiprocessor), at least 1 and at most MAX_SPLITS. It depends on the rows and
+    key/value heads alone, so one CUDA graph per row count serves every sequence length."""
+    return min(MAX_SPLITS, max(1, triton.cdiv(2 * _multiprocessors(device), rows * kv_heads)))
+
+
+def supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether paged_decode_attention takes these: CUDA, one query token in bfloat16 or float16 (in float32 the tensor
     cores' products round to TF32), a power-of-two head size of 16 to 256, whole groups of query heads per key/value
-    head, rows contiguous in the last dimension, the engine's mask."""
-    rows, heads, q_len, head_dim = query.shape
+    head, query and cache contiguous in their last dimension."""
+    _, heads, q_len, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
     return (
-        query.is_cuda and q_len == 1 and query.dtype in (torch.bfloat16, torch.float16)
-        and mask is not None and mask.shape == (rows, 1, 1, key.shape[2])
-        and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and heads % key.shape[1] == 0
-        and query.stride(-1) == key.stride(-1) == mask.stride(-1) == 1
+        query.is_cuda and key_cache.is_cuda and q_len == 1 and query.dtype in (torch.bfloat16, torch.float16)
+        and key_cache.dtype == query.dtype and key_cache.shape[3] == head_dim
+        and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and heads % kv_heads == 0
+        and query.stride(-1) == key_cache.stride(-1) == 1
     )  # fmt: skip
 
 
-@torch.compiler.disable  # its launch parameters follow the span: compiled, each span bucket would recompile
-def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+@torch.compiler.disable  # a Triton launch of its own; compiled graphs call it as it is, and CUDA graphs capture it
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    splits: int,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v for query [rows, heads, 1, D], key and value [rows, kv_heads, span, D] (views
-    into the cache are fine) and mask [rows, 1, 1, span]; returns [rows, 1, heads, D], as transformers' attention
-    functions do."""
+    """softmax(q k^T * scale) v over each row's positions 0 .. lengths[r] - 1, for query [rows, heads, 1, D], key and
+    value caches [num_blocks, block_size, kv_heads, D] (views are fine: strides are followed), block_tables
+    [rows, max_blocks] int32 and lengths [rows] int32 (0: a padding row, whose output is zeros). Each row's positions
+    are split among `splits` programs (`splits_for`). Returns [rows, 1, heads, D] in the query's dtype, as
+    transformers' attention functions do. The launch and its buffers depend on the shapes and `splits` alone, never on
+    the lengths' values, so a CUDA graph of it replays for any lengths."""
     rows, heads, _, head_dim = query.shape
-    kv_heads, span = key.shape[1], key.shape[2]
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
-    blocks = triton.cdiv(span, BLOCK_S)
-    splits = min(blocks, max(1, triton.cdiv(2 * _multiprocessors(query.device), rows * kv_heads)))
-    chunk = triton.cdiv(blocks, splits) * BLOCK_S
-    splits = triton.cdiv(span, chunk)
     part = torch.empty(rows, heads, splits, head_dim, device=query.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, splits, device=query.device, dtype=torch.float32)
     _split_kernel[(rows, kv_heads, splits)](
-        query, key, value, mask, part, lse,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0),
-        span, chunk, scale,
+        query, key_cache, value_cache, block_tables, lengths, part, lse,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        scale,
         HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK=BLOCK_S,
-        SPLITS=splits, num_warps=4,
+        BLOCK_SIZE=block_size, SPLITS=splits, num_warps=4,
     )  # fmt: skip
     output = torch.empty(rows, 1, heads, head_dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(rows, heads)](
