@@ -30,7 +30,7 @@ def generate(args: argparse.Namespace) -> int:
 
     def load() -> LoadedModel:
         """The model with its context cut to this request (the prompt and --max-tokens, at most the model's own), so
-        that the one KV slot holds what the request needs and no more."""
+        that the KV block pool holds what the request needs and no more."""
         nonlocal prompt
         loaded = load_model(args.model, placement, quantize=quantize, runtime=runtime)
         prompt = prompt_ids(loaded, args)
@@ -102,6 +102,6 @@ def report(as_json: bool, end: End, text: str, token_ids: list[int], engine: Eng
     print(
         f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, {rate:.1f} tok/s, "
         f"seed {end.seed}; memory: {engine.loaded.info.weight_bytes / 2**20:.0f} MiB weights + "
-        f"{engine.kv_cache_bytes() / 2**20:.1f} MiB KV cache (one slot of {engine.context_length} tokens)",
+        f"{engine.kv_cache_bytes() / 2**20:.1f} MiB KV cache (a context of {engine.context_length} tokens)",
         file=sys.stderr,
     )

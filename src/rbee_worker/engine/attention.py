@@ -1,12 +1,14 @@
 """The attention function the engine gives transformers' model classes (registered through transformers'
 AttentionInterface, so the models' own attention layers call it): PyTorch's scaled_dot_product_attention, like
-transformers' "sdpa", with two shapes of the engine's forwards sent to faster kernels.
+transformers' "sdpa", with three shapes of the engine's forwards sent to faster kernels.
 
-- A decode step (one query token per row): on CUDA, decode_attention.py's split-KV kernel. Elsewhere the query heads
-  that share a key/value head are folded into the query length (`[rows, kv_heads, groups, head_dim]`), so attention
-  reads each cached key and value once instead of through `repeat_kv`'s copy for every query head; the engine's mask
-  (`[rows, 1, 1, span]`) applies unchanged. transformers 5.24 does this itself outside torch.compile; this does it
-  inside too, and on older versions.
+- A decode step on CUDA: the paged cache hands over its whole pool (kv_cache.PagedCache's `paged` mode) and the
+  forward's `kv_block_tables` / `kv_lengths` arguments say where each row's keys and values are; decode_attention.py's
+  paged split-KV kernel reads them there.
+- A decode step elsewhere (one query token per row, keys gathered): the query heads that share a key/value head are
+  folded into the query length (`[rows, kv_heads, groups, head_dim]`), so attention reads each cached key and value
+  once instead of through `repeat_kv`'s copy for every query head; the engine's mask (`[rows, 1, 1, span]`) applies
+  unchanged. transformers 5.24 does this itself outside torch.compile; this does it inside too, and on older versions.
 - A single-row prompt chunk from position 0 (a first prefill): its mask is exactly causal, so it is dropped for
   `is_causal=True`, which lets SDPA take its flash kernel with grouped heads, as a bare forward over the prompt does.
 
@@ -38,11 +40,17 @@ def attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     rows, heads, q_len, head_dim = query.shape
-    kv_heads = key.shape[1]
     plain = dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
-    if plain and decode_attention is not None and decode_attention.supported(query, key, attention_mask):
+    tables = kwargs.get("kv_block_tables")
+    if tables is not None:  # the paged cache's pool: [blocks, block_size, kv_heads, head_dim]
+        assert plain, "paged decode steps run without softcap or biases"
         scale = head_dim**-0.5 if scaling is None else scaling
-        return decode_attention.decode_attention(query, key, value, attention_mask, scale), None
+        lengths = kwargs["kv_lengths"]
+        if decode_attention is not None and decode_attention.supported(query, key):
+            splits = decode_attention.splits_for(rows, key.shape[2], query.device)
+            return decode_attention.paged_decode_attention(query, key, value, tables, lengths, scale, splits), None
+        return paged_reference(query, key, value, tables, lengths, scale), None
+    kv_heads = key.shape[1]
     if plain and q_len == 1 and heads != kv_heads:
         folded = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
         output = torch.nn.functional.scaled_dot_product_attention(
@@ -61,6 +69,32 @@ def attention(
         )
         return output.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def paged_reference(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """What the paged decode kernel computes, in plain torch: every position of each row's whole table gathered, the
+    ones past its length masked (a row of length 0 sees position 0). Slow; for devices without the kernel (tests of
+    the graph path on a CPU) and dtypes it does not take."""
+    heads, head_dim = query.shape[1], query.shape[3]
+    block_size, kv_heads = key_pool.shape[1], key_pool.shape[2]
+    span = tables.shape[1] * block_size
+    positions = torch.arange(span, device=query.device)
+    flat = tables.long()[:, positions // block_size] * block_size + positions % block_size
+    keys = key_pool.reshape(-1, kv_heads, head_dim)[flat].transpose(1, 2)
+    values = value_pool.reshape(-1, kv_heads, head_dim)[flat].transpose(1, 2)
+    visible = positions[None, :] < lengths.clamp(min=1)[:, None]
+    mask = torch.where(visible, 0.0, torch.finfo(query.dtype).min).to(query.dtype)[:, None, None, :]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+    )
+    return output.transpose(1, 2)
 
 
 def use_engine_attention(model: torch.nn.Module) -> bool:

@@ -22,10 +22,10 @@ forward once before ready). What is compiled depends on the device, each choice 
 
 import torch
 
-from rbee_worker.engine.kv_cache import SlotCache
+from rbee_worker.engine.kv_cache import PagedCache
 
 
-def compile_model(model: torch.nn.Module, cache: SlotCache) -> None:
+def compile_model(model: torch.nn.Module, cache: PagedCache) -> None:
     """Compile `model` in place (each part on its first call); `cache` must be the one its forwards get."""
     if model.device.type != "cuda":
         # The model's float attributes (RMSNorm eps, attention scaling) as constants: with dynamic shapes dynamo makes
@@ -45,7 +45,7 @@ def compile_model(model: torch.nn.Module, cache: SlotCache) -> None:
         layer.compile(dynamic=True)
 
 
-def uncompile_model(model: torch.nn.Module, cache: SlotCache) -> None:
+def uncompile_model(model: torch.nn.Module, cache: PagedCache) -> None:
     """Undo compile_model (after a compilation failed: the plain model runs instead)."""
     torch._dynamo.reset()
     for module in (model, *model.get_decoder().layers):

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     deterministic: bool = False  # batch invariance: a request's tokens do not depend on what else runs
-    max_batch: int = 16  # requests that hold a KV slot and run at once
+    max_batch: int = 16  # requests that run at once (each holds a batch row; KV memory is the block pool's)
     max_queue: int = 64  # admitted requests that may wait for a slot; beyond both the engine refuses (EngineBusy)
     prefill_chunk: int = 512  # prompt tokens per round, over all prefilling requests
-    kv_cache_bytes: int | None = None  # None: sized from the memory left after the weights
+    kv_cache_bytes: int | None = None  # the block pool's size; None: sized from the memory left after the weights
+    block_size: int = 16  # token positions per KV block
+    prefix_caching: bool = True  # a prompt's cached prefix (whole blocks) is reused, not computed again
     cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
     compile_model: bool = False  # the forward through torch.compile
     threads: int | None = None  # CPU threads of the forward; None: the physical cores (on torch: its own default)
@@ -19,5 +21,7 @@ class EngineConfig:
             raise ValueError("max_batch must be at least 1 and max_queue at least 0")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be at least 1")

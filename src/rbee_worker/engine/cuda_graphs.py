@@ -2,24 +2,28 @@
 from Python, which is what bounds a decode step of a model that fits a GPU, and even a long prompt's forward of a
 large model, whose kernels finish sooner than Python can launch them (bench/results/README.md).
 
-A graph has fixed shapes, so inputs are padded up to buckets. Decode steps: the batch to the next of ROW_BUCKETS (rows
-beyond the running sequences are the cache's scratch rows, as in any decode step) and the attention span to the next
-power of two (positions beyond a row's length are masked, as always). First prompt chunks of one request (from
-position 0): the chunk length to the next power of two, padded on the right. Graphs are captured on first use, or
-ahead of time by `warm_up`; all share one memory pool. The inputs live in static tensors that each call overwrites.
+A graph has fixed shapes, so inputs are padded up to buckets. Decode steps: the live requests' rows, compacted in the
+step's order, padded to the next of ROW_BUCKETS (padding rows have length 0: they write the scratch block and read
+nothing). Attention reads the paged cache through the block tables, with lengths read on the device, so one graph
+per row bucket (and sampler kind) serves every context length. First prompt chunks of one request (from position 0):
+the chunk length to the next power of two, padded on the right. Graphs are captured on first use, or ahead of time by
+`warm_up`; all share one memory pool. The inputs live in static tensors that each call overwrites.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
 
-from rbee_worker.engine.kv_cache import SlotCache, decode_mask, prefill_mask
+from rbee_worker.engine.kv_cache import PagedCache, prefill_mask
+from rbee_worker.engine.runner import DecodeRow
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, PACKED_WIDTH, SamplerFeatures, SamplerState, pack, sample
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-MIN_SPAN = 128
 MIN_CHUNK = 16  # the shortest prompt-chunk bucket
+# The rows of a decode graph's input tensor: each step's rows' token, position, length (0: padding), chained flag,
+# batch row, and the block table entry of its position (its index, its block), copied to the device at once.
+TOKEN, POSITION, LENGTH, CHAINED, ROW, TABLE_INDEX, BLOCK = range(7)
 
 
 def bucket(value: int, buckets: list[int]) -> int:
@@ -31,7 +35,7 @@ def graph_features(features: SamplerFeatures) -> SamplerFeatures:
     penalties runs the greedy graph; any other runs top-k, top-p and the penalties whatever its rows ask (each a
     no-op for a row without it: top_k = the vocabulary, penalties 1 and 0; a greedy row takes the argmax after its
     penalties), and a step with logprobs computes MAX_TOP_LOGPROBS alternatives (a row reads the ones it asked for).
-    So the four GRAPH_KINDS per (rows, span), captured before ready, serve every mix of settings, instead of a graph
+    So the four GRAPH_KINDS per row bucket, captured before ready, serve every mix of settings, instead of a graph
     per combination captured when a request first brings it, which stalls every running stream for the capture."""
     logprobs = -1 if features.top_logprobs < 0 else MAX_TOP_LOGPROBS
     if not (features.sampling or features.penalties):
@@ -65,143 +69,137 @@ class LaunchedStep:
 
 
 class DecodeGraphs:
-    """Decode steps, each with the sampler after the forward, as graphs per (rows, span, graph_features of the
-    step's sampler features)."""
+    """Decode steps, each with the sampler after the forward, as graphs per (rows bucket, graph_features of the step's
+    sampler features)."""
 
     def __init__(
-        self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype, state: SamplerState
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        cache_kwarg: str,
+        dtype: torch.dtype,
+        state: SamplerState,
+        max_rows: int,
     ) -> None:
         self.model, self.cache, self.cache_kwarg, self.dtype, self.state = model, cache, cache_kwarg, dtype, state
-        device = cache.keys[0].device
-        self.row_buckets = sorted({b for b in ROW_BUCKETS if b < cache.slots} | {cache.slots})
-        spans, span = [], MIN_SPAN
-        while span < cache.slot_len:
-            spans.append(span)
-            span *= 2
-        self.span_buckets = [*spans, cache.slot_len]
-        rows = cache.slots
-        # The graphs' inputs, token / position / length / chained flag of each row, written by one copy from pinned
-        # host memory (three pageable copies would cost more than the rest of the host's work on a step). Two host
-        # buffers, used in turn: the copy out of one may still be queued behind a step that runs while the host
-        # fills the other.
-        self.inputs = torch.zeros(4, rows, dtype=torch.long, device=device)
-        self.inputs[1] = cache.slot_len
-        self.host_inputs = [torch.zeros(4, rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        self.host_out = [torch.zeros(rows, PACKED_WIDTH, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        device = cache.device
+        self.max_rows = max_rows
+        self.row_buckets = sorted({b for b in ROW_BUCKETS if b < max_rows} | {max_rows})
+        # The graphs' inputs, written by one copy from pinned host memory (several pageable copies would cost more than
+        # the rest of the host's work on a step). Two host buffers, used in turn: the copy out of one may still be
+        # queued behind a step that runs while the host fills the other.
+        self.inputs = torch.zeros(7, max_rows, dtype=torch.long, device=device)
+        self.host_inputs = [torch.zeros(7, max_rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.host_out = [torch.zeros(max_rows, PACKED_WIDTH, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self.done = [torch.cuda.Event() for _ in range(2)]
         self.launches = 0
-        # Each row's token chosen by the latest step, written by the graph itself: a chained row reads its input token
-        # here, so the step after can be launched before the host has seen this one's result.
-        self.chosen = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.arange(rows, device=device)  # a graph step's rows are slots 0..rows-1
-        self.graphs: dict[
-            tuple[int, int, SamplerFeatures], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
-        ] = {}
+        # Each batch row's token chosen by the latest step (entry max_rows: padding's), written by the graph itself: a
+        # chained row reads its input token here, so the step after can be launched before the host has seen this
+        # one's result, whatever rows that step holds.
+        self.chosen = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
+        # Attention of a paged decode step reads no mask; the model classes want one: a constant of the right rank.
+        self.mask = torch.zeros(max_rows, 1, 1, 1, dtype=dtype, device=device)
+        self.graphs: dict[tuple[int, SamplerFeatures], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self) -> None:
-        """Capture the graph of every batch bucket, span bucket and kind (GRAPH_KINDS), so that no request pays for a
-        capture."""
+        """Capture the graph of every row bucket and kind (GRAPH_KINDS), so that no request pays for a capture."""
         for rows in self.row_buckets:
-            for span in self.span_buckets:
-                for kind in GRAPH_KINDS:
-                    self._graph(rows, span, kind)
+            for kind in GRAPH_KINDS:
+                self._graph(rows, kind)
 
-    def shape(self, count: int, longest: int) -> tuple[int, int]:
-        """The (rows, span) bucket of a step over `count` rows whose longest attends to `longest` positions."""
-        return bucket(count, self.row_buckets), bucket(longest, self.span_buckets)
+    def captured(self, count: int, features: SamplerFeatures) -> bool:
+        return (bucket(count, self.row_buckets), graph_features(features)) in self.graphs
 
-    def captured(self, count: int, longest: int, features: SamplerFeatures) -> bool:
-        return (*self.shape(count, longest), graph_features(features)) in self.graphs
-
-    def launch(
-        self,
-        tokens: list[int],
-        positions: list[int],
-        lengths: list[int],
-        chained: list[bool],
-        features: SamplerFeatures,
-    ) -> LaunchedStep:
-        """Start one decode step over cache rows 0..len(tokens)-1 (as the eager forward) without waiting for it. A
-        chained row takes as its token the one the previous step chose for it, not tokens[row]. The sampler runs inside
-        the graph, so a step's result is each row's chosen token (and the logprobs asked for), one small copy to the
-        host; rows of length 0 (no sequence) leave the sampler's state untouched.
+    def launch(self, rows: Sequence[DecodeRow], features: SamplerFeatures) -> LaunchedStep:
+        """Start one decode step over these rows (graph row i: rows[i]) without waiting for it. A chained row takes as
+        its token the one the previous step chose for its batch row, not its `token`. The sampler runs inside the
+        graph, so a step's result is each row's chosen token (and the logprobs asked for), one small copy to the
+        host; padding rows leave the sampler's state untouched.
 
         A step whose graph is not captured yet is captured first, which runs the forward once and so overwrites the
         chosen tokens: chain only onto a step of a captured graph."""
-        count = len(tokens)
-        rows, span = self.shape(count, max(lengths))
-        graph, packed, _ = self._graph(rows, span, graph_features(features))
+        count = len(rows)
+        width = bucket(count, self.row_buckets)
+        graph, packed = self._graph(width, graph_features(features))
         turn = self.launches % 2
         self.launches += 1
-        pad = rows - count
+        size = self.cache.block_size
         # This buffer's copy ran before the step before the previous one, which the host has waited for.
         host = self.host_inputs[turn].numpy()
-        host[0, :rows] = tokens + [0] * pad
-        host[1, :rows] = positions + [self.cache.slot_len] * pad
-        host[2, :rows] = lengths + [0] * pad
-        host[3, :rows] = chained + [False] * pad
-        self.inputs[:, :rows].copy_(self.host_inputs[turn][:, :rows], non_blocking=True)
+        host[:, count:width] = _PADDING[:, None]
+        host[ROW, count:width] = self.max_rows
+        for i, r in enumerate(rows):
+            index = r.position // size
+            host[:, i] = (r.token, r.position, r.position + 1, r.chained, r.row, index, r.blocks[index])
+        self.inputs[:, :width].copy_(self.host_inputs[turn][:, :width], non_blocking=True)
         graph.replay()
         self.host_out[turn][:count].copy_(packed[:count], non_blocking=True)
         self.done[turn].record()
         return LaunchedStep(self.host_out[turn][:count], self.done[turn])
 
-    def _graph(
-        self, rows: int, span: int, features: SamplerFeatures
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        """The graph, its packed sampler output (see launch), and the cache's row index it reads (kept alive: a graph
-        reads fixed addresses)."""
-        key = (rows, span, features)
+    def _graph(self, rows: int, features: SamplerFeatures) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph and its packed sampler output (see launch)."""
+        key = (rows, features)
         if key in self.graphs:
             return self.graphs[key]
         inputs = self.inputs[:, :rows]
-        # Harmless inputs while capturing: every row writes the scratch position and reads position 0.
-        inputs.zero_()
-        inputs[1].fill_(self.cache.slot_len)
-        positions = inputs[1, :, None]
-        self.cache.prepare(0, positions, span)  # also zeroes the cache up to `span`
+        inputs.copy_(torch.as_tensor(_PADDING, device=inputs.device)[:, None].expand(-1, rows))
+        inputs[ROW].fill_(self.max_rows)  # while capturing every row is padding
+        cache = self.cache
 
         def step() -> torch.Tensor:
-            tokens = torch.where(inputs[3] != 0, self.chosen[:rows], inputs[0])
+            batch_rows, positions, lengths = inputs[ROW], inputs[POSITION, :, None], inputs[LENGTH]
+            cache.tables[batch_rows, inputs[TABLE_INDEX]] = inputs[BLOCK]
+            tokens = torch.where(inputs[CHAINED] != 0, self.chosen[batch_rows], inputs[TOKEN])
+            cache.prepare(batch_rows, positions, 0, "paged")
             output = self.model(
                 input_ids=tokens[:, None],
-                position_ids=positions,
-                attention_mask=decode_mask(inputs[2], span, self.dtype),
+                position_ids=positions.clamp(min=0),
+                attention_mask=self.mask[:rows],
                 use_cache=True,
                 logits_to_keep=1,
-                **{self.cache_kwarg: self.cache},
+                kv_block_tables=cache.tables[batch_rows].to(torch.int32),
+                kv_lengths=lengths.to(torch.int32),
+                **{self.cache_kwarg: cache},
             )
-            out = sample(output.logits[:, -1], self.state, self.slots[:rows], inputs[2] > 0, features)
-            self.chosen[:rows].copy_(out.tokens)
+            # Padding rows read the sampler state of the last batch row and change nothing (they are not live).
+            sampler_rows = batch_rows.clamp(max=self.max_rows - 1)
+            out = sample(output.logits[:, -1], self.state, sampler_rows, lengths > 0, features)
+            self.chosen[batch_rows] = out.tokens
             return pack(out)
 
-        graph, packed = capture(step, self.pool)
-        self.graphs[key] = (graph, packed, self.cache.row_index)
+        self.graphs[key] = capture(step, self.pool)
         return self.graphs[key]
 
 
+# A padding row of a decode graph's inputs: token 0 at position -1 (the scratch block), length 0, not chained; its
+# batch row is the scratch row (the caller's max_rows), its table entry the scratch row's first.
+_PADDING = torch.tensor([0, -1, 0, 0, 0, 0, 0]).numpy()
+
+
 class PrefillGraphs:
-    """The first chunk of one request's prompt (positions 0..count-1 of its slot) as a graph per chunk bucket.
+    """The first chunk of one request's prompt (positions 0..count-1) as a graph per chunk bucket.
 
     The chunk is padded on the right: its tokens keep their positions, so the causal mask over the bucket is exact for
-    them (the engine's attention then takes SDPA's causal flash kernel), and the padding after them writes the
-    scratch position and is never read. The logits are those of the last real token (`logits_to_keep` as an index).
+    them (the engine's attention then takes SDPA's causal flash kernel over the chunk's own keys and values), and the
+    padding after them writes the scratch block and is never read. The logits are those of the last real token
+    (`logits_to_keep` as an index).
     """
 
     def __init__(
-        self, model: torch.nn.Module, cache: SlotCache, cache_kwarg: str, dtype: torch.dtype, max_chunk: int,
+        self, model: torch.nn.Module, cache: PagedCache, cache_kwarg: str, dtype: torch.dtype, max_chunk: int,
         pool: object,
     ) -> None:  # fmt: skip
         self.model, self.cache, self.cache_kwarg, self.dtype, self.pool = model, cache, cache_kwarg, dtype, pool
-        device = cache.keys[0].device
-        # Powers of two that neither a prompt chunk nor a KV slot can outgrow; longer chunks run eagerly.
-        limit = min(max_chunk, cache.slot_len)
+        device = cache.device
+        # Powers of two that neither a prompt chunk nor one request's context can outgrow; longer chunks run eagerly.
+        limit = min(max_chunk, cache.max_blocks * cache.block_size)
         self.buckets = [2**i for i in range(MIN_CHUNK.bit_length() - 1, limit.bit_length()) if 2**i <= limit]
         widest = max(self.buckets, default=0)
         self.tokens = torch.zeros(1, widest, dtype=torch.long, device=device)
-        self.positions = torch.full((1, widest), cache.slot_len, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, 1, dtype=torch.long, device=device)  # the request's slot, as a (1, 1) row index
+        self.positions = torch.full((1, widest), -1, dtype=torch.long, device=device)
+        self.row = torch.zeros(1, dtype=torch.long, device=device)  # the request's batch row
         self.last = torch.zeros(1, dtype=torch.long, device=device)  # the column of the last real token
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -212,15 +210,15 @@ class PrefillGraphs:
         for width in self.buckets:
             self._graph(width)
 
-    def run(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Logits (1, vocab) after token_ids, the first len(token_ids) tokens of the prompt in `slot` (as the eager
-        forward)."""
+    def run(self, row: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits (1, vocab) after token_ids, the first len(token_ids) tokens of the prompt of batch row `row`, whose
+        block table is set (as the eager forward)."""
         count = len(token_ids)
         width = bucket(count, self.buckets)
         graph, logits = self._graph(width)
-        self.tokens[0, :width].copy_(torch.tensor(token_ids + [0] * (width - count)))
-        self.positions[0, :width].copy_(torch.tensor([*range(count), *[self.cache.slot_len] * (width - count)]))
-        self.slot.fill_(slot)
+        self.tokens[0, :width].copy_(torch.tensor([*token_ids, *[0] * (width - count)]))
+        self.positions[0, :width].copy_(torch.tensor([*range(count), *[-1] * (width - count)]))
+        self.row.fill_(row)
         self.last.fill_(count - 1)
         graph.replay()
         return logits
@@ -230,14 +228,15 @@ class PrefillGraphs:
             return self.graphs[width]
         tokens, positions = self.tokens[:, :width], self.positions[:, :width]
         tokens.zero_()
-        positions.fill_(self.cache.slot_len)  # while capturing, every column writes the scratch position
-        self.cache.prepare_graph_rows(self.slot, positions, width)
+        positions.fill_(-1)  # while capturing, every column writes the scratch block
+        self.row.fill_(self.cache.tables.shape[0] - 1)  # the scratch row
         mask = prefill_mask([0], [width], width, self.dtype, tokens.device)  # causal over the whole bucket
 
         def step() -> torch.Tensor:
+            self.cache.prepare(self.row, positions, width, "new")
             output = self.model(
                 input_ids=tokens,
-                position_ids=positions,
+                position_ids=positions.clamp(min=0),
                 attention_mask=mask,
                 use_cache=True,
                 logits_to_keep=self.last,

@@ -159,11 +159,11 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        """The most tokens (prompt + generated) one request may hold: the model's context, or less when the KV
-        cache slots are shorter (see SlotCache sizing)."""
+        """The most tokens (prompt + generated) one request may hold: the model's context (or --max-context), or
+        less where the whole KV block pool holds less (rows.kv_pool)."""
         self.loaded  # noqa: B018 -- waits for the load (and the cache) like every caller-side method
         assert self._runner is not None
-        return self._runner.kv.tokens_per_slot
+        return self._runner.kv.context
 
     def validate(self, request: Request) -> None:
         """Raise RequestError for a request that cannot run on this model."""
@@ -271,7 +271,7 @@ class Engine:
 
     @property
     def running_requests(self) -> int:
-        """Requests holding one of the max_batch slots (the others in flight wait for one)."""
+        """Requests holding one of the max_batch batch rows (the others in flight wait for one)."""
         return len(self._scheduler.running) if self._scheduler else 0
 
     @property
@@ -289,10 +289,22 @@ class Engine:
         return max(0.0, time.monotonic() - self._last_progress)
 
     def kv_cache_usage(self) -> float:
-        """The share of the KV cache's token positions that running requests hold; 0 before the model is loaded."""
-        if self._runner is None or self._scheduler is None:
+        """The share of the KV block pool that running requests hold; 0 before the model is loaded."""
+        if self._scheduler is None:
             return 0.0
-        return self._scheduler.kv_positions() / self._runner.kv.tokens
+        blocks = self._scheduler.blocks
+        return blocks.used_blocks / blocks.capacity
+
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache since start, and of them found there."""
+        if self._scheduler is None:
+            return 0, 0
+        return self._scheduler.blocks.queried_tokens, self._scheduler.blocks.hit_tokens
+
+    @property
+    def preemptions(self) -> int:
+        """Running requests preempted since start (their KV blocks freed for older requests, recomputed later)."""
+        return self._scheduler.preemptions if self._scheduler is not None else 0
 
     def memory_bytes(self) -> int:
         """Measured device memory in use: the weights plus the KV cache (the runner says how it measures them)."""
@@ -309,7 +321,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self._runner = self._make_runner(self._load(), self.config)
-            self._scheduler = Scheduler(self.config, self._runner.capabilities.mixed_batches)
+            self._scheduler = Scheduler(self.config, self._runner.capabilities.mixed_batches, self._runner.kv)
             info = self._runner.loaded.info
             bytes_per_token = self._runner.kv.bytes_per_token
             self._output = OutputProcessor(info.eos_token_ids, bytes_per_token, self._retire, self._observer)
@@ -326,7 +338,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 while self._admit(block=len(self._scheduler) == 0):
-                    self._round(self._scheduler.schedule())
+                    self._round(self._scheduler.schedule(self._steps.collect_pending))
                     self._last_progress = time.monotonic()
                 self._steps.collect_pending()
         except DeviceFault as fault:
@@ -342,11 +354,13 @@ class Engine:
         try:
             for sequence in plan.abandoned:
                 self._output.end(sequence, StopReason.CANCELLED)
+            for row in plan.preempted:
+                self._runner.evict(row)
             for sequence in plan.started:
                 if not sequence.finished:
                     request = sequence.request
                     self._runner.assign(
-                        sequence.slot, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
+                        sequence.row, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
                     )
             self._steps.run(plan)
         except DeviceFault:
@@ -394,7 +408,7 @@ class Engine:
             if item is None:
                 return False
             if isinstance(item, str):
-                # Ended here rather than at its next step: its KV slot is freed and its id can be reused at once.
+                # Ended here rather than at its next step: its KV blocks are freed and its id can be reused at once.
                 if sequence := self._scheduler.get(item):
                     self._output.end(sequence, StopReason.CANCELLED)
             else:
@@ -402,7 +416,8 @@ class Engine:
                 self._output.started(item)
 
     def _retire(self, sequence: Sequence, terminal: End | Error) -> None:
-        """A request ended: the scheduler frees its slot, then its id may come again and its caller hears of it."""
+        """A request ended: the scheduler frees its row and blocks, then its id may come again and its caller hears of
+        it."""
         if self._scheduler is not None:
             self._scheduler.free(sequence)
         with self._in_flight_lock:

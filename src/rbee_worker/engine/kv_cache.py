@@ -1,22 +1,34 @@
-"""The KV cache: one slot per running sequence, allocated once after the weights, given to transformers' own model
-classes as their cache.
+"""The KV cache: one pool of fixed-size blocks per layer, allocated once after the weights, and each batch row's block
+table, given to transformers' own model classes as their cache.
 
-Each layer holds keys and values as `[slots, kv_heads, slot_len + 1, head_dim]`. Before a forward the engine says
-which rows of the batch are which slots (a contiguous range) and where the new tokens go; the model's attention
-layers call `update`, which writes the new keys and values there and returns the range's cache up to `kv_len`, and
-the 4-D attention mask that the engine passes says which of those positions each query sees.
+Each layer holds keys and values as `[blocks, block_size, kv_heads, head_dim]` (vLLM's layout), so position p of the
+request in batch row r is `tables[r, p // block_size]`'s entry `p % block_size`, and a block's rows are contiguous.
+Which blocks a request holds is the scheduler's business (engine/kv_blocks.py); the runner copies each row's table
+here before a forward that reads it. Before a forward the runner also says where the new tokens go (flat positions:
+block * block_size + offset; block 0 is the scratch block that padding writes to) and how attention reads the cache:
 
-Position `slot_len` of every slot is scratch: a batch row without a sequence (a free slot, or a sequence still in
-prefill, inside a decode batch) writes there and is never read. Memory is zeroed lazily up to the longest context
-seen, so on a CPU only the part in use becomes resident; masked positions then hold finite values (zero, or an
-earlier sequence's), never the NaN that uninitialized memory could hold and that a zero attention weight would not
-cancel.
+- `gather`: the rows' positions [0, kv_len) copied out through their tables, as `[rows, kv_heads, kv_len, head_dim]`,
+  with the engine's 4-D mask saying which each query sees (prompt chunks after cached tokens; decode steps off CUDA);
+- `new`: the forward's own new keys and values (a first prompt chunk of one request: nothing cached comes before it);
+- `paged`: the pool itself, read by the paged decode kernel through the tables that the forward's `kv_block_tables`
+  and `kv_lengths` arguments carry (decode steps on CUDA, inside their graphs).
+
+Memory is zeroed before it is first read, so that masked positions in a gathered copy hold finite values (zero, or an
+earlier request's), never the NaN that uninitialized memory could hold and that a zero attention weight would not
+cancel: on a GPU at once, on a CPU block by block as blocks are first used, so that only the part in use becomes
+resident.
 """
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from transformers import PretrainedConfig
+
+from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
+from rbee_worker.engine.runner import KvGeometry
+
+ReadMode = Literal["gather", "new", "paged"]
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
@@ -32,73 +44,81 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int]:
     return heads, head_dim
 
 
-class SlotCache:
+class PagedCache:
     """Duck-typed as a transformers Cache (only `update` and `get_seq_length` are called with a 4-D mask given)."""
 
     def __init__(
-        self, config: PretrainedConfig, slots: int, slot_len: int, dtype: torch.dtype, device: torch.device
+        self, config: PretrainedConfig, kv: KvGeometry, rows: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        heads, head_dim = kv_shape(config)
+        self.heads, self.head_dim = kv_shape(config)
         layers = config.get_text_config().num_hidden_layers
-        shape = (slots, heads, slot_len + 1, head_dim)  # + 1: the scratch position
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.slots, self.slot_len = slots, slot_len
-        self.bytes_per_token = kv_bytes_per_token(config, dtype)
-        self._zeroed = 0  # positions [0, _zeroed) of every slot are initialized
-        for layer in (*self.keys, *self.values):
-            layer[:, :, slot_len].zero_()  # the scratch position
-            layer[:, :, 0].zero_()  # dummy rows attend to position 0 of their slot
-        self._kv_len = self._first = self._count = 0  # the batch rows are slots _first.. _first + _count - 1
-        self._gather: torch.Tensor | None = None  # or, when they are not a contiguous range, these slots
-        self._positions: torch.Tensor | None = None
-        self.row_index: torch.Tensor | None = None  # the batch rows' slots, as a column
+        self.block_size, self.blocks = kv.block_size, kv.blocks
+        shape = (kv.blocks, kv.block_size, self.heads, self.head_dim)
+        allocate = torch.zeros if device.type == "cuda" else torch.empty
+        self.keys = [allocate(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [allocate(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.bytes_per_block = kv.block_size * kv.bytes_per_token
+        self._zeroed = kv.blocks if device.type == "cuda" else 0  # blocks [0, _zeroed) are initialized
+        self.ensure_zeroed(SCRATCH_BLOCK)
+        # Each batch row's block table (row `rows`: the scratch row of padding), long for indexing.
+        self.max_blocks = -(-kv.context // kv.block_size)
+        self.tables = torch.zeros(rows + 1, self.max_blocks, dtype=torch.long, device=device)
+        self.device = device
+        self._kv_len = 0
+        self._mode: ReadMode = "gather"
+        self._writes: torch.Tensor | None = None  # flat positions of the forward's new tokens, in row-major order
+        self._reads: torch.Tensor | None = None  # gather: (rows, kv_len) flat positions read
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the cache that have been touched (the rest may not be backed by memory yet)."""
-        return self.slots * self._zeroed * self.bytes_per_token
+        """Bytes of the pool that have been touched (the rest may not be backed by memory yet)."""
+        return self._zeroed * self.bytes_per_block
 
-    def prepare(self, first_row: int, positions: torch.Tensor, kv_len: int) -> None:
-        """Set up the next forward: its batch rows are slots first_row.. first_row + len(positions) - 1; row b's new
-        tokens go to positions[b] (shape (rows, new tokens)); attention reads positions [0, kv_len)."""
-        self.prepare_slots(range(first_row, first_row + positions.shape[0]), positions, kv_len)
+    def ensure_zeroed(self, block: int) -> None:
+        """Blocks up to `block` are initialized (the pool hands out blocks in id order until it first reuses one)."""
+        if block >= self._zeroed:
+            for layer in (*self.keys, *self.values):
+                layer[self._zeroed : block + 1].zero_()
+            self._zeroed = block + 1
 
-    def prepare_slots(self, slots: Sequence[int], positions: torch.Tensor, kv_len: int) -> None:
-        """As prepare, for batch rows that are any slots: attention then reads a gathered copy of those slots (a
-        contiguous range is read in place)."""
-        self._ensure_zeroed(kv_len)
-        self._kv_len, self._positions = kv_len, positions
-        self.row_index = torch.tensor(slots, device=positions.device)[:, None]
-        self._first, self._count = slots[0], len(slots)
-        contiguous = list(slots) == list(range(slots[0], slots[0] + len(slots)))
-        self._gather = None if contiguous else self.row_index[:, 0]
+    def set_table(self, row: int, blocks: Sequence[int]) -> None:
+        """Batch row `row`'s block table (the blocks of its request, in position order)."""
+        self.ensure_zeroed(max(blocks, default=SCRATCH_BLOCK))
+        self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
 
-    def prepare_graph_rows(self, row_index: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
-        """As prepare_slots, for batch rows given as a (rows, 1) device tensor of slots (a CUDA graph's static input,
-        filled before each replay): attention reads them through a gather."""
-        self._ensure_zeroed(kv_len)
-        self._kv_len, self._positions = kv_len, positions
-        self.row_index, self._gather = row_index, row_index[:, 0]
+    def flat_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool positions of `positions` (rows, n) of batch rows `rows` (rows,); a position below 0 (padding) is
+        the scratch block's first entry."""
+        index = positions.clamp(min=0)
+        blocks = self.tables[rows[:, None], index // self.block_size]
+        return torch.where(positions >= 0, blocks * self.block_size + index % self.block_size, 0)
+
+    def prepare(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int, mode: ReadMode) -> None:
+        """Set up the next forward: batch row b is the request of batch row rows[b] and feeds its new tokens at
+        positions[b] (shape (rows, new tokens); -1: padding); attention reads as `mode` says, in gather mode
+        positions [0, kv_len) of each row."""
+        self._kv_len, self._mode = kv_len, mode
+        self._writes = self.flat_positions(rows, positions).reshape(-1)
+        if mode == "gather":
+            span = torch.arange(kv_len, device=positions.device)[None, :].expand(rows.shape[0], -1)
+            self._reads = self.flat_positions(rows, span)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.row_index, :, self._positions] = key_states.transpose(1, 2)
-        values[self.row_index, :, self._positions] = value_states.transpose(1, 2)
-        # Ints and None, not a slice object: torch.compile then treats the row count as dynamic, not a constant.
-        rows = slice(self._first, self._first + self._count) if self._gather is None else self._gather
-        return keys[rows, :, : self._kv_len], values[rows, :, : self._kv_len]
+        flat_keys = keys.view(-1, self.heads, self.head_dim)
+        flat_values = values.view(-1, self.heads, self.head_dim)
+        flat_keys[self._writes] = key_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
+        flat_values[self._writes] = value_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
+        if self._mode == "new":
+            return key_states, value_states
+        if self._mode == "paged":
+            return keys, values
+        return flat_keys[self._reads].transpose(1, 2), flat_values[self._reads].transpose(1, 2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
-
-    def _ensure_zeroed(self, kv_len: int) -> None:
-        if kv_len > self._zeroed:
-            for layer in (*self.keys, *self.values):
-                layer[:, :, self._zeroed : kv_len].zero_()
-            self._zeroed = kv_len
 
 
 def decode_mask(lengths: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The model runner on llama.cpp's runtime (llama-cpp-python's low-level API), for GGUF files on a CPU or a Mac.
 
 llama.cpp holds the weights, the KV cache and the forward; the engine keeps everything else (scheduler, sampler,
-detokenizer, events). One `llama_context` serves every slot: its KV cache has one sequence per slot (`n_seq_max` =
---max-batch, a stream of `slot_len` cells each, not unified, so a sequence's attention reads only its own cells), and
-sequence id = slot. A step is one `llama_batch` with every row of the round, prompt chunks (their tokens, logits on
+detokenizer, events). One `llama_context` serves every batch row: its KV cache is one unified pool of cells that
+every sequence draws on (`kv_unified`; in deterministic mode a stream per sequence), as large as the scheduler's
+block pool, so one request may hold the whole context while others are short; sequence id = batch row. The
+scheduler's block tables account for the cells (a request holds at most its blocks' positions), and llama.cpp
+places them itself. A step is one `llama_batch` with every row of the round, prompt chunks (their tokens, logits on
 the last one only when the chunk ends the prompt) and decode rows (one token each), and one `llama_decode`. The rows'
 logits are read where llama.cpp wrote them, as one [rows, vocab] tensor without a copy, and sampled by the worker's
 own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly as on the torch runtime.
@@ -12,6 +14,7 @@ Every step is computed before it returns: `launch` hands back a finished step an
 """
 
 import ctypes
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -20,9 +23,9 @@ import psutil
 import torch
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.slots import SlotSampling, kv_budget, slot_tokens
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.llama_cpp_model import LlamaCppModel
 from rbee_worker.models.loaded import LoadedModel
@@ -47,58 +50,69 @@ class DecodeFailed(RuntimeError):
 
 
 class LlamaCppRunner:
-    """Runs a LoadedModel of the llama.cpp runtime: the context, the batch, and each slot's sampling state. Lives on
-    the engine thread; `close` frees what llama.cpp holds."""
+    """Runs a LoadedModel of the llama.cpp runtime: the context, the batch, and each batch row's sampling state. Lives
+    on the engine thread; `close` frees what llama.cpp holds."""
 
     capabilities = Capabilities(mixed_batches=True)  # a round's prompt chunks and decode rows go in one llama_batch
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         model: LlamaCppModel = loaded.model  # type: ignore[assignment]
         self.config, self.loaded, self.model = config, loaded, model
-        slots = config.max_batch
-        if slots > native.llama_max_parallel_sequences():
+        rows = config.max_batch
+        if rows > native.llama_max_parallel_sequences():
             raise ModelLoadError(
                 f"llama.cpp runs at most {native.llama_max_parallel_sequences()} sequences at once: lower --max-batch"
             )
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else kv_budget(CPU)
-        slot_len = slot_tokens(loaded.info.context_length, slots, model.kv_bytes_per_token, budget)
-        self.kv = KvGeometry(slots, slot_len, model.kv_bytes_per_token)
+        context, per_token = loaded.info.context_length, model.kv_bytes_per_token
+        self.kv: KvGeometry = kv_pool(context, per_token, config.block_size, budget, rows, shared_blocks=False)
+        # In deterministic mode each sequence has a stream of cells of its own, as long as the context offered: in a
+        # unified pool, attention runs over cells that other sequences hold too (masked), and its sums then depend on
+        # what else runs.
+        unified = not config.deterministic
+        if not unified:
+            per_row = min(self.kv.context, self.kv.tokens // rows // config.block_size * config.block_size)
+            self.kv = dataclasses.replace(self.kv, context=per_row)
         self.threads = config.threads or psutil.cpu_count(logical=False) or 1
-        self.capacity = config.prefill_chunk + slots  # the most tokens one step feeds: a round's chunks and decodes
+        self.capacity = config.prefill_chunk + rows  # the most tokens one step feeds: a round's chunks and decodes
         params = native.llama_context_default_params()
-        params.n_ctx = slots * slot_len
-        params.n_seq_max = slots
-        params.kv_unified = False
+        params.n_ctx = self.kv.tokens if unified else rows * self.kv.context
+        params.n_seq_max = rows
+        params.kv_unified = unified
         params.n_batch = params.n_ubatch = self.capacity
         params.n_threads = params.n_threads_batch = self.threads
         params.no_perf = True
         self._context = native.llama_init_from_model(model.handle, params)
-        if not self._context or native.llama_n_ctx_seq(self._context) < slot_len:
+        if not self._context or native.llama_n_ctx_seq(self._context) < self.kv.context:
             raise ModelLoadError(
-                f"llama.cpp could not create a context of {slots} x {slot_len} tokens: lower --max-batch or "
+                f"llama.cpp could not create a context of {self.kv.tokens} tokens: lower --kv-cache-gb or "
                 "--max-context, or see the llama.cpp messages with --log-level debug"
             )
         self._cells = native.llama_n_ctx(self._context)  # what it allocated: each sequence's cells rounded up
         self._memory = native.llama_get_memory(self._context)
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
-        self.sampling = SlotSampling(slots, model.vocab_size, CPU)
+        self.sampling = RowSampling(rows, model.vocab_size, CPU)
         log.info(
-            "llama.cpp runtime: %d threads, %d slots of %d tokens",
+            "llama.cpp runtime: %d threads, %d sequences sharing %d cells",
             self.threads,
-            slots,
-            slot_len,
+            rows,
+            self._cells,
             extra={"fields": {"threads": self.threads, "system": native.llama_print_system_info().decode().strip()}},
         )
 
     # -- sampling state ------------------------------------------------------------------------------------------
 
     def assign(
-        self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
+        self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the slot: what an earlier holder left in the slot's sequence goes, its sampling state
+        """A request takes the batch row: what an earlier holder left in the row's sequence goes, its sampling state
         comes."""
-        native.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
+        native.llama_memory_seq_rm(self._memory, row, -1, -1)
+        self.sampling.assign(row, params, seed, prompt_ids, logprobs)
+
+    def evict(self, row: int) -> None:
+        """The request in this batch row was preempted: its sequence's cells go back to the pool."""
+        native.llama_memory_seq_rm(self._memory, row, -1, -1)
 
     # -- steps -------------------------------------------------------------------------------------------------------
 
@@ -129,36 +143,36 @@ class LlamaCppRunner:
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         """One llama_decode over prompt chunks and decode rows together; the chosen tokens of the prompt rows that
         sample, then of the decode rows, in order."""
-        batch, n, slots = self._batch, 0, []
+        batch, n, sampled_rows = self._batch, 0, []
         if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
             raise ValueError(f"a step of more than {self.capacity} tokens")
         for row in prompts:
             last = len(row.token_ids) - 1
             for i, token in enumerate(row.token_ids):
-                self._put(n, token, row.start + i, row.slot, row.sample and i == last)
+                self._put(n, token, row.start + i, row.row, row.sample and i == last)
                 n += 1
             if row.sample:
-                slots.append(row.slot)
+                sampled_rows.append(row.row)
         for row in decodes:
-            self._put(n, row.token, row.position, row.slot, True)
+            self._put(n, row.token, row.position, row.row, True)
             n += 1
-            slots.append(row.slot)
+            sampled_rows.append(row.row)
         batch.n_tokens = n
         if n == 0:
             return []
         if (code := native.llama_decode(self._context, batch)) != 0:
             raise DecodeFailed(code)
-        if not slots:
+        if not sampled_rows:
             return []
-        packed = self.sampling.sample(self._logits(len(slots)), slots, [True] * len(slots))
-        return [self.sampling.sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
+        packed = self.sampling.sample(self._logits(len(sampled_rows)), sampled_rows, [True] * len(sampled_rows))
+        return [self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)]
 
-    def _put(self, index: int, token: int, position: int, slot: int, logits: bool) -> None:
+    def _put(self, index: int, token: int, position: int, row: int, logits: bool) -> None:
         batch = self._batch
         batch.token[index] = token
         batch.pos[index] = position
         batch.n_seq_id[index] = 1
-        batch.seq_id[index][0] = slot
+        batch.seq_id[index][0] = row
         batch.logits[index] = logits
 
     def _logits(self, rows: int) -> torch.Tensor:

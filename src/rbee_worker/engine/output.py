@@ -109,6 +109,7 @@ class OutputProcessor:
                 request_id=sequence.request_id,
                 stop_reason=reason,
                 prompt_tokens=len(sequence.request.prompt_ids),
+                cached_tokens=sequence.cached_prompt_tokens,
                 tokens_out=len(sequence.output_ids),
                 seed=sequence.seed,
                 stop_sequence=output.detokenizer.stop_matched,

@@ -1,8 +1,9 @@
 """The Runner protocol: what the step loop (engine/step.py) asks of whatever runs the model, and nothing more.
 
-A runner owns the model, its KV cache and each slot's sampling state. It takes rows (a slot, the tokens to feed,
-where they go) and gives back, for each row that samples, the chosen token: on the torch runtime
-(engine/torch_runner.py, CUDA graphs and compiled layers) and on llama.cpp's (engine/llama_cpp_runner.py). How a
+A runner owns the model, its KV cache and each batch row's sampling state. It takes rows (a request's batch row, its
+block table, the tokens to feed and their positions) and gives back, for each row that samples, the chosen token:
+on the torch runtime (engine/torch_runner.py, CUDA graphs and compiled layers) and on llama.cpp's
+(engine/llama_cpp_runner.py). How a
 runner computes a step is its own affair; what differs between runners that the step loop must know is data:
 `Capabilities`, `KvGeometry`, and whether a launched step's tokens are ready (`Launched.ready`).
 """
@@ -19,9 +20,12 @@ from rbee_worker.models.loaded import LoadedModel
 
 @dataclass(frozen=True)
 class PromptRow:
-    """Prompt tokens fed at positions start.. of a slot; `sample`: the chunk ends the prompt, so a token follows."""
+    """Prompt tokens fed at positions start.. of the request in batch row `row` (its sampling state; on llama.cpp its
+    sequence), whose position p lives in KV block `blocks[p // block_size]`; `sample`: the chunk ends the prompt, so
+    a token follows."""
 
-    slot: int
+    row: int
+    blocks: Sequence[int]
     token_ids: Sequence[int]
     start: int
     sample: bool
@@ -29,10 +33,12 @@ class PromptRow:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One decode row: `token` fed at `position` of the slot; `chained`: take instead the token that the step launched
-    before this one chose for this row, on the device (only where `Runner.chains` allows it)."""
+    """One decode row: `token` fed at `position` of the request in batch row `row`, with its block table; `chained`:
+    take instead the token that the step launched before this one chose for this row, on the device (only where
+    `Runner.chains` allows it)."""
 
-    slot: int
+    row: int
+    blocks: Sequence[int]
     token: int
     position: int
     chained: bool = False
@@ -56,22 +62,26 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class KvGeometry:
-    """The KV cache as the scheduler and the engine account for it: `slots` requests at once, each up to
-    `tokens_per_slot` tokens (prompt and output), `bytes_per_token` each."""
+    """The KV cache as the scheduler accounts for it: a pool of `blocks` blocks (block 0 the scratch block) of
+    `block_size` positions, `bytes_per_token` each; one request holds up to `context` tokens (prompt and output).
+    `shared_blocks`: whether a block may back several requests at once (the prefix cache); a runtime whose memory
+    does not follow the block tables (llama.cpp) uses them for accounting only."""
 
-    slots: int
-    tokens_per_slot: int
+    blocks: int
+    block_size: int
+    context: int
     bytes_per_token: int
+    shared_blocks: bool = True
 
     @property
     def tokens(self) -> int:
-        """Token positions in all the slots together."""
-        return self.slots * self.tokens_per_slot
+        """Token positions in the pool, the scratch block excluded."""
+        return (self.blocks - 1) * self.block_size
 
     @property
     def bytes(self) -> int:
-        """The whole cache's size."""
-        return self.tokens * self.bytes_per_token
+        """The whole pool's size."""
+        return self.blocks * self.block_size * self.bytes_per_token
 
 
 class Launched(Protocol):
@@ -102,9 +112,13 @@ class Runner(Protocol):
     kv: KvGeometry
 
     def assign(
-        self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
+        self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the slot: what an earlier holder left goes; its sampling state comes."""
+        """A request takes the batch row: its sampling state comes (what an earlier holder left goes)."""
+
+    def evict(self, row: int) -> None:
+        """The request in this batch row was preempted: the scheduler took its blocks back, and whatever the runtime
+        keeps for it beyond them goes (it reads its tokens again from position 0 later)."""
 
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         """One forward, computed before it returns (prompt chunks and decode rows together only where

@@ -1,21 +1,33 @@
-"""The scheduler: which requests run, which slot each holds, what each round computes, and how far each request has got.
+"""The scheduler: which requests run, which batch row each holds, which KV blocks back each, what each round computes,
+and how far each request has got.
 
 It knows no tensors and no text: the runner turns its plan into forwards and sampled tokens (engine/step.py), the
 output processor turns tokens into events (engine/output.py). Each round (`schedule`): waiting requests take free
-slots (the lowest first) in arrival order, up to `max_batch` running at once; requests still reading their prompt get
-prompt chunks, up to `prefill_chunk` tokens in all, oldest first, grouped into forwards; every running request with
-its prompt cached decodes one token. A long prompt therefore delays the others' next token by at most one chunk. A
-runner with mixed batches takes the round's chunks and decode rows in one forward.
+batch rows (the lowest first) in arrival order, up to `max_batch` running at once. Then, oldest request first, each
+running request gets its work and the KV blocks for it from the block pool (engine/kv_blocks.py): a request still
+reading its prompt gets a prompt chunk, up to `prefill_chunk` tokens in all per round (its first chunk starts after
+the longest prefix that the prefix cache holds); every other running request decodes one token. Chunks are grouped
+into forwards; a runner with mixed batches takes the round's chunks and decode rows in one forward. A long prompt
+therefore delays the others' next token by at most one chunk.
+
+When the pool has too few free blocks for a request's work, the newest running request that holds blocks is
+preempted: its blocks go back to the pool, it keeps its batch row (its sampling state stays), and it reads its prompt
+and the tokens it has generated again as a prompt when blocks are free, then decodes on. Its caller sees no
+difference but time. A prompt chunk that still finds too few blocks waits for a later round.
 
 `deterministic` (batch invariance): a request's tokens must not depend on what else runs, so every chunk and every
-decode row has a forward of its own, and chunks split a prompt at multiples of `prefill_chunk` whatever else runs.
+decode row has a forward of its own, chunks split a prompt at multiples of `prefill_chunk` whatever else runs, and
+the prefix cache serves and keeps only prompt blocks inside whole chunks, which any request computes alike.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.kv_blocks import BlockPool, BlockTable
 from rbee_worker.engine.output import Output
+from rbee_worker.engine.runner import KvGeometry
 from rbee_worker.engine.types import Request
 
 
@@ -26,24 +38,40 @@ class Sequence:
     request: Request
     seed: int
     output: Output  # the output processor's record of it
-    slot: int | None = None  # its row in the KV cache and the sampler, while it runs
-    cached: int = 0  # tokens whose keys and values are in its slot: the prompt first, then all but the last output
+    row: int | None = None  # its batch row (sampling state), while it runs
+    table: BlockTable = field(default_factory=BlockTable)  # its KV blocks
+    cached: int = 0  # tokens whose keys and values are in its blocks: the prompt first, then all but the last output
+    cached_prompt_tokens: int = 0  # prompt tokens that its first chunk found in the prefix cache
     output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
     launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Steps._decode)
-    finished: bool = False  # ended: its slot is free and its id may come again
+    looked_up: bool = False  # its prompt has been looked up in the prefix cache (and counted there)
+    finished: bool = False  # ended: its row and blocks are free and its id may come again
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     @property
+    def prefill_end(self) -> int:
+        """The tokens to cache before it decodes: its prompt; after a preemption, also all but the last output."""
+        return len(self.request.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
     def prefilling(self) -> bool:
-        return self.cached < len(self.request.prompt_ids)
+        return self.cached < self.prefill_end
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Its tokens [start, end): the prompt's, then the generated ones."""
+        prompt = self.request.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (*prompt[start:], *self.output_ids[max(start - len(prompt), 0) : end - len(prompt)])
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Prompt tokens [start, start + count) of a sequence, fed in one forward."""
+    """Tokens [start, start + count) of a sequence's prompt (after a preemption, of its prompt and output), fed in one
+    forward."""
 
     sequence: Sequence
     start: int
@@ -51,11 +79,12 @@ class Chunk:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return self.sequence.request.prompt_ids[self.start : self.start + self.count]
+        return self.sequence.token_ids(self.start, self.start + self.count)
 
     @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.count == len(self.sequence.request.prompt_ids)
+    def samples(self) -> bool:
+        """Whether the chunk ends a prompt, so that a token follows (after a preemption the last output follows)."""
+        return not self.sequence.output_ids and self.start + self.count == self.sequence.prefill_end
 
 
 @dataclass(frozen=True)
@@ -69,24 +98,30 @@ class Forward:
 
 @dataclass(frozen=True)
 class Plan:
-    """One round: the sequences that took a slot (their sampling state goes there first), those whose caller is gone
-    (to end as cancelled), then the forwards in order, decode rows last."""
+    """One round: the sequences that took a batch row (their sampling state goes there first), those whose caller is
+    gone (to end as cancelled), the rows of those preempted (whatever the runtime keeps for them beyond their blocks
+    goes), then the forwards in order, decode rows last."""
 
     started: list[Sequence]
     abandoned: list[Sequence]
+    preempted: list[int]
     forwards: list[Forward]
 
 
 class Scheduler:
-    """Owns the admitted requests (`waiting` for a slot, `running` in one), the slots, and each sequence's progress."""
+    """Owns the admitted requests (`waiting` for a row, `running` in one), the rows, the block pool, and each
+    sequence's progress."""
 
-    def __init__(self, config: EngineConfig, mixed_batches: bool) -> None:
+    def __init__(self, config: EngineConfig, mixed_batches: bool, kv: KvGeometry) -> None:
         self.config = config
         self.mixed_batches = mixed_batches and not config.deterministic
+        self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # admission order, which is arrival order
         self._by_id: dict[str, Sequence] = {}
-        self._free_slots = list(range(config.max_batch))
+        self._free_rows = list(range(config.max_batch))
+        self.preemptions = 0
+        self._preempted: list[int] = []  # rows of the sequences preempted while planning this round
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -99,18 +134,32 @@ class Scheduler:
         """Sequences admitted and not finished: running and waiting."""
         return len(self._by_id)
 
-    def schedule(self) -> Plan:
-        """This round's work; waiting sequences take free slots."""
+    def schedule(self, settle: Callable[[], None] = lambda: None) -> Plan:
+        """This round's work; waiting sequences take free rows. `settle` takes the tokens of the decode step still
+        in flight: called before a preemption, since a preempted sequence must have no token on its way."""
         started = []
-        while self.waiting and self._free_slots:
+        while self.waiting and self._free_rows:
             sequence = self.waiting.popleft()
-            sequence.slot = self._free_slots.pop(self._free_slots.index(min(self._free_slots)))
+            sequence.row = self._free_rows.pop(self._free_rows.index(min(self._free_rows)))
             self.running.append(sequence)
             started.append(sequence)
         abandoned = [s for s in self._by_id.values() if s.output.undeliverable]
-        running = [s for s in self.running if not s.output.undeliverable]
-        chunks = self._chunks([s for s in running if s.prefilling])
-        decoding = [s for s in running if not s.prefilling]
+        chunks: list[Chunk] = []
+        decoding: list[Sequence] = []
+        budget = self.config.prefill_chunk
+        for sequence in list(self.running):
+            if sequence.finished or sequence.output.undeliverable or sequence.row is None:
+                continue
+            if sequence.prefilling:
+                chunk = self._chunk(sequence, budget, settle)
+                if chunk is None:
+                    continue
+                budget -= chunk.count
+                chunks.append(chunk)
+            elif self._room(sequence, sequence.cached + sequence.launched + 1, settle):
+                decoding.append(sequence)
+        decoding = [s for s in decoding if not s.finished and not s.prefilling]  # a settle may have ended some
+        chunks = [c for c in chunks if not c.sequence.finished]
         if self.mixed_batches:
             forwards = [Forward(chunks, decoding)] if chunks or decoding else []
         else:
@@ -119,24 +168,71 @@ class Scheduler:
                 forwards += [Forward([], [sequence]) for sequence in decoding]
             elif decoding:
                 forwards.append(Forward([], decoding))
-        return Plan(started, abandoned, forwards)
+        preempted, self._preempted = self._preempted, []
+        return Plan(started, abandoned, preempted, forwards)
 
-    def _chunks(self, sequences: list[Sequence]) -> list[Chunk]:
-        """Up to prefill_chunk prompt tokens, oldest request first."""
+    def _chunk(self, sequence: Sequence, budget: int, settle: Callable[[], None]) -> Chunk | None:
+        """The sequence's next prompt chunk within `budget` tokens, its blocks taken; None when it waits (no budget
+        left, or too few blocks even after preempting newer requests)."""
+        if budget <= 0:
+            return None
         chunk_size = self.config.prefill_chunk
-        budget = chunk_size
-        chunks = []
-        for sequence in sequences:
-            prompt = sequence.request.prompt_ids
-            # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
-            # that does not fit in what is left of the round's budget waits for the next round.
-            room = chunk_size - sequence.cached % chunk_size if self.config.deterministic else budget
-            count = min(room, len(prompt) - sequence.cached)
-            if count > budget or budget <= 0:
-                break
-            budget -= count
-            chunks.append(Chunk(sequence, sequence.cached, count))
-        return chunks
+        if not sequence.table.blocks:  # its first chunk, or its first after a preemption
+            self._look_up(sequence)
+        # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
+        # that does not fit in what is left of the round's budget waits for the next round.
+        room = chunk_size - sequence.cached % chunk_size if self.config.deterministic else budget
+        count = min(room, sequence.prefill_end - sequence.cached)
+        if count > budget:
+            return None
+        if not self._room(sequence, sequence.cached + count, settle, wait=True):
+            if self.config.deterministic:
+                return None
+            # As much of the chunk as its blocks and the free ones hold.
+            held = (len(sequence.table.blocks) + self.blocks.free_blocks) * self.blocks.block_size
+            count = min(count, held - sequence.cached)
+            if count <= 0 or not self.blocks.grow(sequence.table, sequence.cached + count):
+                return None
+        return Chunk(sequence, sequence.cached, count)
+
+    def _look_up(self, sequence: Sequence) -> None:
+        """A sequence about to read its prompt takes the longest cached prefix of it (whole blocks, never the whole
+        prompt: its last token is computed for the logits that pick the first output)."""
+        limit = sequence.prefill_end - 1
+        if self.config.deterministic:
+            limit -= limit % self.config.prefill_chunk
+        tokens = sequence.token_ids(0, sequence.prefill_end)
+        sequence.cached = self.blocks.match(sequence.table, tokens, limit, counted=not sequence.looked_up)
+        if not sequence.looked_up:
+            sequence.cached_prompt_tokens = sequence.cached
+        sequence.looked_up = True
+
+    def _room(self, sequence: Sequence, tokens: int, settle: Callable[[], None], wait: bool = False) -> bool:
+        """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.
+        A decode row that finds none preempts its own sequence; a prompt chunk (`wait`) then waits instead."""
+        while not self.blocks.grow(sequence.table, tokens):
+            victim = next(
+                (s for s in reversed(self.running) if s is not sequence and s.table.blocks and not s.finished), None
+            )
+            if victim is None or self.running.index(victim) < self.running.index(sequence):
+                if not wait:
+                    self._preempt(sequence, settle)
+                return False
+            self._preempt(victim, settle)
+            if sequence.finished:
+                return False
+        return True
+
+    def _preempt(self, sequence: Sequence, settle: Callable[[], None]) -> None:
+        """The sequence lets go of its blocks and reads its tokens again later; its row and sampling state stay."""
+        if sequence.launched:
+            settle()
+        if sequence.finished:
+            return
+        self.blocks.release(sequence.table)
+        sequence.cached = 0
+        self.preemptions += 1
+        self._preempted.append(sequence.row)
 
     def _group(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Chunks of several requests share a forward while their rows, padded to the longest chunk, hold at most
@@ -155,11 +251,25 @@ class Scheduler:
         return groups
 
     def computed(self, chunks: list[Chunk], decoded: list[Sequence]) -> None:
-        """A forward put these chunks' and these decode rows' keys and values in their sequences' slots."""
+        """A forward put these chunks' and these decode rows' keys and values in their sequences' blocks; the full
+        blocks among them join the prefix cache."""
         for chunk in chunks:
             chunk.sequence.cached += chunk.count
+            self._register(chunk.sequence)
         for sequence in decoded:
             sequence.cached += 1
+            self._register(sequence)
+
+    def _register(self, sequence: Sequence) -> None:
+        if not self.blocks.prefix_caching:
+            return
+        computed = sequence.cached
+        if self.config.deterministic:  # prompt blocks inside whole chunks only (see the module docstring)
+            prompt = len(sequence.request.prompt_ids)
+            computed = min(computed, prompt - prompt % self.config.prefill_chunk)
+        first = len(sequence.table.keys) * self.blocks.block_size  # the first position of a block without a key
+        if computed >= first + self.blocks.block_size:
+            self.blocks.register(sequence.table, sequence.token_ids(first, computed))
 
     def append(self, sequence: Sequence, token: int) -> bool:
         """A generated token (not EOS) of the sequence; True when it is the last that max_tokens allows."""
@@ -167,23 +277,24 @@ class Scheduler:
         return len(sequence.output_ids) >= sequence.request.max_tokens
 
     def wants_token(self, sequence: Sequence) -> bool:
-        """Whether the sequence runs and needs a token beyond those already launched."""
-        return not sequence.finished and len(sequence.output_ids) + sequence.launched < sequence.request.max_tokens
+        """Whether the sequence runs, holds its blocks, and needs a token beyond those already launched."""
+        return (
+            not sequence.finished
+            and not sequence.prefilling
+            and len(sequence.output_ids) + sequence.launched < sequence.request.max_tokens
+        )
 
     def free(self, sequence: Sequence) -> None:
-        """The sequence has ended: its slot is free for the next, its id may come again."""
+        """The sequence has ended: its row and blocks are free for the next, its id may come again."""
         if sequence.finished:
             return
         sequence.finished = True
         del self._by_id[sequence.request_id]
-        if sequence.slot is None:
+        if sequence.row is None:
             self.waiting.remove(sequence)
             return
         self.running.remove(sequence)
-        self._free_slots.append(sequence.slot)
-        sequence.slot = None
+        self._free_rows.append(sequence.row)
+        self.blocks.release(sequence.table)
+        sequence.row = None
         sequence.cached = 0
-
-    def kv_positions(self) -> int:
-        """Token positions that running requests hold in the KV cache."""
-        return sum(s.cached for s in list(self.running))

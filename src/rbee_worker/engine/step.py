@@ -61,7 +61,7 @@ class Steps:
         if sampled is None:
             return
         self.scheduler.computed(forward.chunks, forward.decode)
-        self._take([c.sequence for c in forward.chunks if c.completes_prompt] + forward.decode, sampled)
+        self._take([c.sequence for c in forward.chunks if c.samples] + forward.decode, sampled)
 
     def _decode(self, sequences: list[Sequence]) -> None:
         """One decode step, launched before the host takes the previous step's tokens where the runner allows it.
@@ -70,9 +70,10 @@ class Steps:
         row is `chained`, its token the one the previous step chose, on the device. The host's work per token
         (reading the result, detokenizing, handing out events, filling the next step's inputs) then overlaps the
         device's instead of adding to it. A sequence that the previous step ends (EOS, a stop string) has its row of
-        this step computed and thrown away; its KV write lands in its freed slot beyond what the next holder has
-        written, and every position is written before it is read; its sampling state is written afresh when the slot
-        is taken again. Where the runner cannot chain this step, the previous one is collected first."""
+        this step computed and thrown away: its KV write lands past its last token, in a block of its own that no
+        prefix cache entry holds (a sequence never writes a shared block), and every position is written before it is
+        read; its sampling state is written afresh when its row is taken again. Where the runner cannot chain this
+        step, the previous one is collected first."""
         pending, self._pending = self._pending, None
         live = [s for s in sequences if self.scheduler.wants_token(s)]
         rows = _decode_rows(live)
@@ -154,10 +155,12 @@ class Steps:
 
 
 def _prompt_rows(chunks: list[Chunk]) -> list[PromptRow]:
-    return [PromptRow(c.sequence.slot, c.token_ids, c.start, c.completes_prompt) for c in chunks]
+    return [PromptRow(c.sequence.row, c.sequence.table.blocks, c.token_ids, c.start, c.samples) for c in chunks]
 
 
 def _decode_rows(sequences: list[Sequence]) -> list[DecodeRow]:
     """Each sequence's last token fed at its next position; a row whose previous token is still on its way (a step
     launched and not collected) chains onto it, at the position after it."""
-    return [DecodeRow(s.slot, s.output_ids[-1], s.cached + s.launched, s.launched > 0) for s in sequences]
+    return [
+        DecodeRow(s.row, s.table.blocks, s.output_ids[-1], s.cached + s.launched, s.launched > 0) for s in sequences
+    ]

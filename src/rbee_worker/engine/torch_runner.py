@@ -1,7 +1,8 @@
 """The torch runtime's runner (the Runner protocol of engine/runner.py): a transformers model, its KV cache, its CUDA
 graphs, and the sampler's state; forwards in, chosen tokens out.
 
-It knows nothing of requests: the engine hands it rows (a slot, the tokens to feed, where they go) and gets back,
+It knows nothing of requests: the engine hands it rows (a batch row, its block table, the tokens to feed and their
+positions) and gets back,
 for each row that samples, the chosen token, whether the logits were valid, and the log-probabilities asked for.
 Sampling runs on the device right after the forward (engine/sampler.py), inside the decode step's CUDA graph on a GPU,
 so only the chosen ids (and requested logprobs) cross to the host, once per step. On a GPU a decode step is launched
@@ -24,11 +25,12 @@ from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
-from rbee_worker.engine.kv_cache import SlotCache, decode_mask, kv_bytes_per_token, prefill_mask
+from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
+from rbee_worker.engine.kv_cache import PagedCache, decode_mask, kv_bytes_per_token, prefill_mask
+from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.slots import SlotSampling, kv_budget, slot_tokens
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.merged_linear import merge_projections
 
@@ -68,10 +70,10 @@ class TorchRunner:
         self.device = loaded.info.device
         self.dtype = loaded.info.dtype
         self.cache_kwarg = cache_kwarg(loaded.model)
-        self.cache = self._allocate_cache(loaded)
-        self.kv = KvGeometry(self.cache.slots, self.cache.slot_len, self.cache.bytes_per_token)
+        self.kv = self._size_pool(loaded)
+        self.cache = PagedCache(loaded.model.config, self.kv, config.max_batch, self.dtype, self.device)
         self.vocab_size = loaded.model.get_output_embeddings().out_features  # the logits' width
-        self.sampling = SlotSampling(config.max_batch, self.vocab_size, self.device)
+        self.sampling = RowSampling(config.max_batch, self.vocab_size, self.device)
         self.state = self.sampling.state
         self._compile = config.compile_model
         # Batched decode steps on a GPU as CUDA graphs (not in deterministic mode, which decodes row by row).
@@ -82,13 +84,16 @@ class TorchRunner:
     # -- sampling state ------------------------------------------------------------------------------------------
 
     def assign(
-        self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
+        self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the slot: its sampling parameters, seed and penalty counts go to the device."""
-        self.sampling.assign(slot, params, seed, prompt_ids, logprobs)
+        """A request takes the batch row: its sampling parameters, seed and penalty counts go to the device."""
+        self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
-    def features(self, slots: Sequence[int]) -> SamplerFeatures:
-        return self.sampling.features(slots)
+    def features(self, rows: Sequence[int]) -> SamplerFeatures:
+        return self.sampling.features(rows)
+
+    def evict(self, row: int) -> None:
+        """Nothing to do: the request's keys and values are in its blocks, which the scheduler took back."""
 
     # -- steps -----------------------------------------------------------------------------------------------------
 
@@ -105,22 +110,14 @@ class TorchRunner:
         that the step before chose on the device."""
         if self.graphs is None:
             return False
-        longest = max(r.position for r in decodes) + 1
-        return self.graphs.captured(max(r.slot for r in decodes) + 1, longest, self.features([r.slot for r in decodes]))
+        return self.graphs.captured(len(decodes), self.features([r.row for r in decodes]))
 
     def launch(self, decodes: list[DecodeRow]) -> Launched:
-        """On a GPU a CUDA graph over cache rows 0.. (the highest slot), not waited for (see DecodeGraphs); elsewhere
-        an eager decode step."""
+        """On a GPU a CUDA graph over the rows, not waited for (see DecodeGraphs); elsewhere an eager decode step."""
         if self.graphs is None:
             return Finished(self._decode(decodes))
-        count = max(r.slot for r in decodes) + 1
-        tokens, positions, lengths, chained = [0] * count, [self.cache.slot_len] * count, [0] * count, [False] * count
-        for r in decodes:
-            tokens[r.slot], positions[r.slot], lengths[r.slot], chained[r.slot] = (
-                r.token, r.position, r.position + 1, r.chained
-            )  # fmt: skip
-        features = self.features([r.slot for r in decodes])
-        return _GraphStep(self.graphs.launch(tokens, positions, lengths, chained, features), decodes)
+        features = self.features([r.row for r in decodes])
+        return _GraphStep(self.graphs.launch(decodes, features), decodes)
 
     def collect(self, launched: Launched) -> list[Sampled]:
         """The launched step's rows' tokens, in order (a graph step: once it has run)."""
@@ -128,7 +125,7 @@ class TorchRunner:
             return launched.sampled
         assert isinstance(launched, _GraphStep)
         packed = launched.step.result()
-        return [self.sampling.sampled(packed[r.slot], r.slot) for r in launched.rows]
+        return [self.sampling.sampled(row, r.row) for row, r in zip(packed, launched.rows, strict=True)]
 
     def fault(self, error: BaseException) -> str | None:
         """On a GPU, whether the device still runs work: a CUDA error such as an illegal memory access leaves the
@@ -143,7 +140,7 @@ class TorchRunner:
         return None
 
     def kv_bytes(self) -> int:
-        """All of the cache on a GPU (allocated at start); on a CPU the part touched so far."""
+        """All of the pool on a GPU (allocated at start); on a CPU the part touched so far."""
         if self.device.type == "cuda":
             return self.kv.bytes
         return self.cache.resident_bytes
@@ -162,39 +159,37 @@ class TorchRunner:
         picked = [i for i, row in enumerate(rows) if row.sample]
         if not picked:
             return []
-        slots = [rows[i].slot for i in picked]
-        packed = self.sampling.sample(logits[picked], slots, [True] * len(slots))
-        return [self.sampling.sampled(row, slot) for row, slot in zip(packed, slots, strict=True)]
+        batch_rows = [rows[i].row for i in picked]
+        packed = self.sampling.sample(logits[picked], batch_rows, [True] * len(batch_rows))
+        return [self.sampling.sampled(out, row) for out, row in zip(packed, batch_rows, strict=True)]
 
     def _decode(self, rows: list[DecodeRow]) -> list[Sampled]:
-        """One eager decode step over the cache rows from the lowest to the highest slot of `rows` (rows in between
-        that are not theirs compute a throwaway token into the scratch position); the rows' tokens in order."""
-        first = min(r.slot for r in rows)
-        count = max(r.slot for r in rows) + 1 - first
-        tokens, positions, lengths = [0] * count, [self.cache.slot_len] * count, [0] * count
-        for r in rows:
-            row = r.slot - first
-            tokens[row], positions[row], lengths[row] = r.token, r.position, r.position + 1
-        logits = self._decode_step(tokens, positions, lengths, first)
-        live = [length > 0 for length in lengths]
-        packed = self.sampling.sample(logits, list(range(first, first + count)), live)
-        return [self.sampling.sampled(packed[r.slot - first], r.slot) for r in rows]
+        """One eager decode step over these rows; their tokens in order."""
+        logits = self._decode_step(rows)
+        batch_rows = [r.row for r in rows]
+        packed = self.sampling.sample(logits, batch_rows, [True] * len(rows))
+        return [self.sampling.sampled(out, row) for out, row in zip(packed, batch_rows, strict=True)]
 
     def _prompt_forward(self, rows: list[PromptRow]) -> torch.Tensor:
-        """Row b feeds rows[b].token_ids at positions rows[b].start.. of its slot; rows are left-padded to the
-        longest (padding writes the scratch position), so the logits returned, one row each, follow each row's last
-        token."""
+        """Row b feeds rows[b].token_ids at positions rows[b].start.. of its request; rows are left-padded to the
+        longest (padding writes the scratch block), so the logits returned, one row each, follow each row's last
+        token. A single chunk from position 0 attends to its own keys and values; any other forward to the rows'
+        cached ones, gathered through their block tables."""
+        for r in rows:
+            self.cache.set_table(r.row, r.blocks)
         width = max(len(r.token_ids) for r in rows)
-        if self.prefill_graphs and len(rows) == 1 and rows[0].start == 0 and self.prefill_graphs.fits(width):
-            return self.prefill_graphs.run(rows[0].slot, list(rows[0].token_ids))
+        first_chunk = len(rows) == 1 and rows[0].start == 0
+        if self.prefill_graphs and first_chunk and self.prefill_graphs.fits(width):
+            return self.prefill_graphs.run(rows[0].row, rows[0].token_ids)
         tokens, positions = [], []
         for r in rows:
             pad = width - len(r.token_ids)
             tokens.append([0] * pad + list(r.token_ids))
-            positions.append([self.cache.slot_len] * pad + list(range(r.start, r.start + len(r.token_ids))))
+            positions.append([-1] * pad + list(range(r.start, r.start + len(r.token_ids))))
         kv_len = max(r.start + len(r.token_ids) for r in rows)
         position_ids = torch.tensor(positions, device=self.device)
-        self.cache.prepare_slots([r.slot for r in rows], position_ids, kv_len)
+        batch_rows = torch.tensor([r.row for r in rows], device=self.device)
+        self.cache.prepare(batch_rows, position_ids, kv_len, "new" if first_chunk else "gather")
         mask = prefill_mask([r.start for r in rows], [len(r.token_ids) for r in rows], kv_len, self.dtype, self.device)
         with torch.compiler.set_stance("force_eager") if self._eager_prompts else contextlib.nullcontext():
             return self._forward(torch.tensor(tokens, device=self.device), position_ids, mask)
@@ -208,23 +203,42 @@ class TorchRunner:
         each a long one on a CPU (bench/results/README.md)."""
         return self._compile and self.device.type == "cpu"
 
-    def _decode_step(self, tokens: list[int], positions: list[int], lengths: list[int], first: int) -> torch.Tensor:
-        """The eager forward of one decode step over cache rows first.. first + len(tokens) - 1."""
-        position_ids = torch.tensor(positions, device=self.device)[:, None]
-        kv_len = max(lengths)
-        self.cache.prepare(first, position_ids, kv_len)
-        mask = decode_mask(torch.tensor(lengths, device=self.device), kv_len, self.dtype)
-        return self._forward(torch.tensor(tokens, device=self.device)[:, None], position_ids, mask)
+    def _decode_step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
+        """The eager forward of one decode step over these rows: on CUDA attention reads the paged cache in place,
+        elsewhere each row's keys and values gathered."""
+        size = self.cache.block_size
+        batch_rows = torch.tensor([r.row for r in rows], device=self.device)
+        index = [r.position // size for r in rows]
+        blocks = [r.blocks[i] for r, i in zip(rows, index, strict=True)]
+        self.cache.ensure_zeroed(max(blocks))
+        self.cache.tables[batch_rows, torch.tensor(index, device=self.device)] = torch.tensor(
+            blocks, device=self.device
+        )
+        position_ids = torch.tensor([r.position for r in rows], device=self.device)[:, None]
+        lengths = torch.tensor([r.position + 1 for r in rows], device=self.device)
+        tokens = torch.tensor([r.token for r in rows], device=self.device)[:, None]
+        if self.device.type == "cuda":
+            self.cache.prepare(batch_rows, position_ids, 0, "paged")
+            mask = torch.zeros(len(rows), 1, 1, 1, dtype=self.dtype, device=self.device)
+            paged = {"kv_block_tables": self.cache.tables[batch_rows].to(torch.int32), "kv_lengths": lengths.int()}
+            return self._forward(tokens, position_ids, mask, **paged)
+        kv_len = max(r.position + 1 for r in rows)
+        self.cache.prepare(batch_rows, position_ids, kv_len, "gather")
+        return self._forward(tokens, position_ids, decode_mask(lengths, kv_len, self.dtype))
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The model's next-token logits for each batch row: (rows, vocab)."""
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, **paged: torch.Tensor
+    ) -> torch.Tensor:
+        """The model's next-token logits for each batch row: (rows, vocab). Padding positions (-1) are fed as 0; the
+        cache writes them to the scratch block."""
         output = self.model(
             input_ids=input_ids,
-            position_ids=position_ids,
+            position_ids=position_ids.clamp(min=0),
             attention_mask=mask,
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kwarg: self.cache},
+            **paged,
         )
         return output.logits[:, -1]
 
@@ -233,13 +247,13 @@ class TorchRunner:
 
     # -- preparation -----------------------------------------------------------------------------------------------
 
-    def _allocate_cache(self, loaded: LoadedModel) -> SlotCache:
-        """One KV slot of up to the model's context per running request, within the memory budget (on a CPU, touched
-        only as contexts grow: see SlotCache)."""
-        info, config, slots = loaded.info, loaded.model.config, self.config.max_batch
+    def _size_pool(self, loaded: LoadedModel) -> KvGeometry:
+        """The KV block pool within the memory budget: --kv-cache-gb, or what the device has left (rows.kv_budget;
+        on a CPU touched only as it fills: see PagedCache)."""
+        info = loaded.info
         budget = self.config.kv_cache_bytes if self.config.kv_cache_bytes is not None else kv_budget(info.device)
-        slot_len = slot_tokens(info.context_length, slots, kv_bytes_per_token(config, info.dtype), budget)
-        return SlotCache(config, slots, slot_len, info.dtype, info.device)
+        per_token = kv_bytes_per_token(loaded.model.config, info.dtype)
+        return kv_pool(info.context_length, per_token, self.config.block_size, budget, self.config.max_batch)
 
     def _prepare_forward(self) -> None:
         """Before the worker reports ready: with --compile, the forward through torch.compile (see compiled.py), run
@@ -270,45 +284,52 @@ class TorchRunner:
         )
 
     def warm_up(self, graphs: bool) -> None:
-        """With `graphs`, capture every decode graph (each batch bucket, span bucket and sampler kind) and every
+        """With `graphs`, capture every decode graph (each row bucket and sampler kind) and every
         first-chunk prefill graph. Compiled layers also run the forwards that stay eager once (on a GPU prompt chunks
         of one and two rows, of different lengths; without graphs decode steps of one and two rows), so that they are
         compiled for any shape before the first request (tests/test_compile.py fails any compilation after ready). On
         a GPU the eager paths run once too: a prompt forward of many rows and the sampler's every set of stages."""
         if graphs:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.cache_kwarg, self.dtype, self.state)
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, self.cache_kwarg, self.dtype, self.state, self.config.max_batch
+            )
             self.graphs.warm_up()
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.cache, self.cache_kwarg, self.dtype, self.config.prefill_chunk, self.graphs.pool
             )
             self.prefill_graphs.warm_up()
+        scratch = [SCRATCH_BLOCK] * self.cache.max_blocks  # warm-up forwards write and read the scratch block only
+        rows = min(self.config.max_batch, 2)
         if self._compile and not self._eager_prompts:
-            # Slots 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1) and
-            # of two lengths (with one, it takes the first length it meets for a constant); on a GPU, where first
+            # Batch rows 0 and 1, which no request holds yet. First chunks of one token (dynamo specializes sizes of 1)
+            # and of two lengths (with one, it takes the first length it meets for a constant); on a GPU, where first
             # chunks run as graphs, eager chunks attending to a multiple of 8 positions and to others (inductor's
             # kernels guard on that alignment, so a batch of unaligned prompts would otherwise recompile after ready).
             for count in (1, 16, 24):
-                self._prompt_forward([PromptRow(0, [0] * count, 0, False)])
+                self._prompt_forward([PromptRow(0, scratch, [0] * count, 0, False)])
             for count in (48, 17):
-                self._prompt_forward([PromptRow(0, [0] * count, 16, False)])
-            if self.cache.slots > 1:
+                self._prompt_forward([PromptRow(0, scratch, [0] * count, 16, False)])
+            if rows > 1:
                 for long, short in ((16, 8), (17, 9)):
-                    self._prompt_forward([PromptRow(0, [0] * long, 0, False), PromptRow(1, [0] * short, 0, False)])
+                    self._prompt_forward(
+                        [PromptRow(0, scratch, [0] * long, 0, False), PromptRow(1, scratch, [0] * short, 0, False)]
+                    )
         if self._compile and not graphs:
-            for rows in range(1, min(self.cache.slots, 2) + 1):
-                self._decode_step([0] * rows, [32] * rows, [33] * rows, first=0)
+            for count in range(1, rows + 1):
+                self._decode_step([DecodeRow(row, scratch, 0, 32) for row in range(count)])
         if self.device.type == "cuda":
-            rows = min(self.cache.slots, WARM_PROMPT_ROWS)
-            self._prompt_forward([PromptRow(slot, [0] * WARM_PROMPT_TOKENS, 0, False) for slot in range(rows)])
+            count = min(self.config.max_batch, WARM_PROMPT_ROWS)
+            warm = [PromptRow(row, scratch, [0] * WARM_PROMPT_TOKENS, 0, False) for row in range(count)]
+            self._prompt_forward(warm)
             self._warm_sampler()
             torch.cuda.synchronize(self.device)
 
     def _warm_sampler(self) -> None:
         """The sampler's eager path (a prompt's first token; every token without graphs) launches Triton kernels
         that are compiled at their first launch, one for each set of stages and logits dtype: each set runs once
-        here, on a row that changes no slot's state."""
+        here, on a row that changes no row's state."""
         logits = torch.randn(1, self.vocab_size, device=self.device).to(self.dtype)
-        slots = torch.zeros(1, dtype=torch.long, device=self.device)
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
         live = torch.zeros(1, dtype=torch.bool, device=self.device)
         stages = {
             SamplerFeatures(sampling, penalties, filters, top_k, top_logprobs=logprobs)
@@ -316,7 +337,7 @@ class TorchRunner:
             for logprobs in (-1, MAX_TOP_LOGPROBS)
         }
         for features in stages:
-            sample(logits, self.state, slots, live, features)
+            sample(logits, self.state, rows, live, features)
 
 
 def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:

@@ -74,6 +74,7 @@ class End:
     request_id: str
     stop_reason: StopReason
     prompt_tokens: int
+    cached_tokens: int  # prompt tokens found in the prefix cache, whose keys and values were not computed again
     tokens_out: int  # generated token ids, the EOS token excluded
     seed: int
     stop_sequence: str | None

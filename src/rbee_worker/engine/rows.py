@@ -1,0 +1,94 @@
+"""What every model runner shares, whatever runs the forward (torch or llama.cpp): the KV block pool's size, and each
+batch row's sampling state with the batched sampler over the logits rows of a step.
+"""
+
+import logging
+from collections.abc import Sequence
+
+import psutil
+import torch
+
+from rbee_worker.engine.runner import KvGeometry, Sampled
+from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample, unpack
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import TokenLogprob
+from rbee_worker.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+MIN_CONTEXT = 64  # a pool that holds fewer tokens cannot hold a useful request
+GPU_KV_SHARE = 0.9  # of the device memory free after loading
+ACTIVATION_RESERVE_BYTES = 1 << 30  # left free on a GPU for activations and logits
+CPU_KV_SHARE = 0.5  # of the host memory available after loading
+
+
+def kv_budget(device: torch.device) -> int:
+    """Bytes the KV cache may take by default: on a GPU, what is free once the weights are in, less room for
+    activations; elsewhere half the memory available."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_SHARE) - ACTIVATION_RESERVE_BYTES
+    return int(psutil.virtual_memory().available * CPU_KV_SHARE)
+
+
+def kv_pool(
+    context: int, bytes_per_token: int, block_size: int, budget: int, rows: int, shared_blocks: bool = True
+) -> KvGeometry:
+    """The block pool that `budget` bytes hold (no more than `rows` whole contexts use), and the context it offers one
+    request: the model's, or all of the pool where that is less. Raises ModelLoadError when the pool holds fewer than
+    MIN_CONTEXT tokens (a shorter context is the model's own choice)."""
+    per_context = -(-context // block_size)
+    blocks = min(budget // (block_size * bytes_per_token), rows * per_context + 1)  # + 1: the scratch block
+    usable = max(blocks - 1, 0) * block_size
+    geometry = KvGeometry(blocks, block_size, min(context, usable), bytes_per_token, shared_blocks)
+    if geometry.context < min(context, MIN_CONTEXT):
+        raise ModelLoadError(
+            f"the KV cache does not fit in {budget / 2**30:.2f} GiB ({bytes_per_token} bytes per token): give it "
+            "more memory (--kv-cache-gb) or load a smaller model"
+        )
+    log.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); up to %d tokens per request",
+        blocks - 1,
+        block_size,
+        geometry.tokens,
+        geometry.bytes / 2**30,
+        geometry.context,
+        extra={"fields": {"kv_blocks": blocks - 1, "kv_tokens": geometry.tokens, "max_model_len": geometry.context}},
+    )
+    return geometry
+
+
+class RowSampling:
+    """Each batch row's sampling request (parameters, seed, penalty counts, logprobs wanted) in a SamplerState on the
+    logits' device, and the batched sampler over a step's logits rows (engine/sampler.py), so that every runtime
+    samples with the same code: penalties, top-k / top-p / min-p, seeds and logprobs behave identically."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.device = device
+        self.state = SamplerState(rows, vocab_size, device)
+        self._logprobs: dict[int, int | None] = {}  # each row's top-logprobs request
+        self._params: dict[int, SamplingParams] = {}
+
+    def assign(
+        self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
+    ) -> None:
+        """A request takes the batch row: its sampling parameters, seed and penalty counts go to the device."""
+        self.state.assign(row, params, seed, prompt_ids)
+        self._params[row], self._logprobs[row] = params, logprobs
+
+    def features(self, rows: Sequence[int]) -> SamplerFeatures:
+        return SamplerFeatures.of((self._params[row], self._logprobs[row]) for row in rows)
+
+    def sampled(self, packed: Sequence[float], row: int) -> Sampled:
+        """A row of sampler.pack's layout, on the host, as the batch row's request asked for it."""
+        token, valid, logprob, top = unpack(packed, self._logprobs[row])
+        return Sampled(token, valid, None if logprob is None else TokenLogprob(token, logprob, top))
+
+    def sample(self, logits: torch.Tensor, rows: list[int], live: list[bool]) -> list[list[float]]:
+        """The sampler over these logits (logits row i for batch row rows[i]; `live`: the rows that really decode), at
+        once; its packed result on the host."""
+        features = self.features([row for row, alive in zip(rows, live, strict=True) if alive])
+        index = torch.tensor(rows, device=self.device)
+        live_rows = torch.tensor(live, device=self.device)
+        out = sample(logits, self.state, index, live_rows, features, on_host=self.device.type == "cpu")
+        return pack(out).tolist()
