@@ -192,9 +192,10 @@ def build_parser() -> Parser:
         default=None,
         metavar="GIB",
         help="memory for the KV cache: one pool of KV blocks (--block-size positions each) shared by all running jobs, "
-        "each holding the blocks of its own tokens; the context offered per job is the model's own (or --max-context) "
-        "whenever one job fits in the pool, else what the pool holds (default: 90%% of the GPU memory left after the "
-        "weights; on a CPU half the available memory, touched only as contexts grow)",
+        "each holding the blocks of its own tokens, and never more than --max-batch whole contexts take; the context "
+        "offered per job is the model's own (or --max-context) whenever one job fits in the pool, else what the pool "
+        "holds (default: 90%% of the GPU memory left after the weights; on a CPU half the available memory, touched "
+        "only as contexts grow)",
     )
     jobs.add_argument(
         "--block-size",
