@@ -1,8 +1,11 @@
 """The step loop without a model: the engine driving a fake runner (a few lines) through the Runner protocol.
 
 The fake's token for a row is a function of the token fed and its position, so every request's tokens are known
-whatever else runs; it records every position fed into each slot, so a step that feeds a wrong position (the
-bookkeeping of launched-ahead steps, of mixed batches, of cancelled requests) shows up.
+whatever else runs. It keeps what it writes in its KV blocks (position p of a row in `blocks[p // block_size]`) and
+each batch row's token stream (the prompt its request brought, then the tokens the row chose): a step that feeds a
+position out of order, a token that is not the row's own at that position, or whose row's blocks do not hold the row's
+own tokens at every earlier position (the bookkeeping of launched-ahead steps, of mixed batches, of cancelled and
+preempted requests, of prefixes found in the cache) shows up in `wrong`.
 """
 
 import queue
@@ -27,6 +30,7 @@ from rbee_worker.models.loaded import LoadedModel, ModelInfo
 
 WORDS = ["<eos>", *(f"w{i}" for i in range(1, 10))]
 EOS = 0
+CONTEXT = 256
 
 
 def next_token(token: int, position: int) -> int:
@@ -57,19 +61,28 @@ class FakeRunner:
     """A runner of one of three kinds: eager (a forward per kind of row), mixed (prompt chunks and decode rows in one
     forward) or asynchronous (decode steps launched ahead, chained rows reading the previous step's tokens)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, kind: str) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kind: str, kv_blocks: int | None) -> None:
         self.loaded, self.kind = loaded, kind
         self.capabilities = Capabilities(mixed_batches=kind == "mixed")
-        self.kv = KvGeometry(config.max_batch, 256, 10)
-        self.fed: dict[int, list[int]] = defaultdict(list)  # slot -> the tokens fed at positions 0, 1, ...
-        self.chosen: dict[int, int] = {}  # slot -> the token its latest row chose ("on the device")
-        self.wrong: list[tuple[int, int, int]] = []  # (slot, position fed, position expected)
+        self.block_size = config.block_size
+        blocks = kv_blocks or 1 + config.max_batch * -(-CONTEXT // self.block_size)
+        self.kv = KvGeometry(blocks, self.block_size, min(CONTEXT, (blocks - 1) * self.block_size), 1)
+        self.cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)  # block -> tokens
+        self.stream: dict[int, list[int]] = {}  # row -> the prompt, then the tokens the row chose
+        self.next: dict[int, int | None] = {}  # row -> the position it must be fed next (None: from a cached prefix)
+        self.chosen: dict[int, int] = {}  # row -> the token its latest row chose ("on the device")
+        self.wrong: list[tuple[int, int, str]] = []  # (row, position fed, what was wrong)
+        self.evicted: list[int] = []
         self.calls = self.chained = 0
         self.fail_at: dict[int, Exception] = {}  # call number -> what it raises
         self.poisoned = False
 
-    def assign(self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: object) -> None:
-        self.fed[slot] = []
+    def assign(self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: object) -> None:
+        self.stream[row], self.next[row] = list(prompt_ids), None
+
+    def evict(self, row: int) -> None:
+        self.evicted.append(row)
+        self.next[row] = None
 
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         self._call()
@@ -77,10 +90,10 @@ class FakeRunner:
         out = []
         for row in prompts:
             for i, token in enumerate(row.token_ids):
-                chosen = self._feed(row.slot, token, row.start + i)
+                chosen = self._feed(row.row, row.blocks, token, row.start + i)
             if row.sample:
-                out.append(Sampled(chosen, True, None))
-        return out + [Sampled(self._feed(r.slot, r.token, r.position), True, None) for r in decodes]
+                out.append(Sampled(self._chose(row.row, chosen), True, None))
+        return out + [Sampled(self._decode(r, r.token), True, None) for r in decodes]
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
@@ -90,10 +103,8 @@ class FakeRunner:
             return Finished(self.step([], decodes))
         self._call()
         self.chained += sum(r.chained for r in decodes)
-        fed = [self.chosen[r.slot] if r.chained else r.token for r in decodes]
-        return Pending(
-            [Sampled(self._feed(r.slot, t, r.position), True, None) for r, t in zip(decodes, fed, strict=True)]
-        )
+        fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]
+        return Pending([Sampled(self._decode(r, t), True, None) for r, t in zip(decodes, fed, strict=True)])
 
     def collect(self, launched: Finished | Pending) -> list[Sampled]:
         if not launched.ready:
@@ -120,12 +131,33 @@ class FakeRunner:
             self.poisoned = isinstance(error, Poison)
             raise error
 
-    def _feed(self, slot: int, token: int, position: int) -> int:
-        if position != len(self.fed[slot]):
-            self.wrong.append((slot, position, len(self.fed[slot])))
-        self.fed[slot].append(token)
-        self.chosen[slot] = next_token(token, position)
-        return self.chosen[slot]
+    def _decode(self, row: DecodeRow, token: int) -> int:
+        return self._chose(row.row, self._feed(row.row, row.blocks, token, row.position))
+
+    def _chose(self, row: int, token: int) -> int:
+        self.chosen[row] = token
+        self.stream[row].append(token)
+        return token
+
+    def _feed(self, row: int, blocks: Sequence[int], token: int, position: int) -> int:
+        """Write the token at the row's position in its block; the token the fake model chooses after it."""
+        stream, size = self.stream[row], self.block_size
+        expected = self.next[row]
+        if expected is None and position % size == 0:  # a first chunk may start after a cached prefix
+            expected = position
+        if position != expected:
+            self.wrong.append((row, position, f"fed out of order: expected {expected}"))
+        if position >= len(stream) or stream[position] != token:
+            self.wrong.append((row, position, "not the row's token at that position"))
+        if position // size >= len(blocks) or blocks[position // size] == 0:
+            self.wrong.append((row, position, "no block of its own for that position"))
+            return next_token(token, position)
+        self.cells[blocks[position // size]][position % size] = token
+        self.next[row] = position + 1
+        read = [self.cells[blocks[p // size]][p % size] for p in range(position + 1)]
+        if read != stream[: position + 1]:
+            self.wrong.append((row, position, "its blocks do not hold its tokens"))
+        return next_token(token, position)
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +167,11 @@ def loaded() -> LoadedModel:
     return LoadedModel(None, tokenizer, info)  # type: ignore[arg-type] -- the fake runner needs no model
 
 
-def start(loaded: LoadedModel, kind: str, **config: object) -> tuple[Engine, FakeRunner]:
+def start(loaded: LoadedModel, kind: str, kv_blocks: int | None = None, **config: object) -> tuple[Engine, FakeRunner]:
     runners: list[FakeRunner] = []
 
     def make(loaded: LoadedModel, config: EngineConfig) -> FakeRunner:
-        runners.append(FakeRunner(loaded, config, kind))
+        runners.append(FakeRunner(loaded, config, kind, kv_blocks))
         return runners[0]
 
     engine = Engine(lambda: loaded, EngineConfig(**{"max_batch": 3, "prefill_chunk": 8, **config}), runner=make)
@@ -185,8 +217,9 @@ KINDS = ["eager", "mixed", "async"]
 def test_each_request_gets_its_own_tokens_at_the_right_positions(
     loaded: LoadedModel, kind: str, deterministic: bool
 ) -> None:
-    """Eight requests of prompts up to 17 tokens (chunks of 8) and 1 to 12 tokens through three slots: each gets the
-    tokens its prompt alone gives, every slot is fed its positions in order, and steps really ran ahead."""
+    """Eight requests of prompts up to 17 tokens (chunks of 8) and 1 to 12 tokens through three rows: each gets the
+    tokens its prompt alone gives, every row is fed its own tokens at its positions in order, into its own blocks, and
+    steps really ran ahead."""
     engine, runner = start(loaded, kind, deterministic=deterministic)
     try:
         batch = requests(8)
@@ -197,6 +230,34 @@ def test_each_request_gets_its_own_tokens_at_the_right_positions(
             assert isinstance(end, End) and end.stop_reason is StopReason.MAX_TOKENS
         assert runner.wrong == []
         assert (runner.chained > 0) is (kind == "async")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_pool_too_small_for_every_request_preempts_and_each_still_gets_its_own_tokens(
+    loaded: LoadedModel, kind: str, deterministic: bool
+) -> None:
+    """Twelve requests whose prompts share prefixes, through three rows and a pool of 8 blocks of 4 positions (three
+    requests may want up to 29 each): newer requests are preempted and read their tokens again, prompts find their
+    prefixes in the cache, and still each request gets the tokens its prompt alone gives, every row is fed its own
+    tokens in order into blocks that hold its earlier ones, and every block is free at the end."""
+    engine, runner = start(loaded, kind, kv_blocks=9, block_size=4, deterministic=deterministic)
+    try:
+        batch = requests(12)
+        received = run_together(engine, batch)
+        assert_own_tokens(received, batch)
+        for request in batch:
+            end = received[request.request_id][-1]
+            assert isinstance(end, End) and end.cached_tokens % 4 == 0
+            assert end.cached_tokens < len(request.prompt_ids)
+        assert runner.wrong == []
+        assert engine.preemptions > 0 and runner.evicted
+        queried, hit = engine.prefix_cache_tokens()
+        assert queried == sum(len(r.prompt_ids) for r in batch) and hit > 0
+        assert hit == sum(e[-1].cached_tokens for e in received.values())
+        assert engine.kv_cache_usage() == 0
     finally:
         engine.close()
 
@@ -242,9 +303,10 @@ def test_text_held_back_for_a_stop_string_comes_out_when_the_request_ends(loaded
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_cancelled_request_frees_its_slot_for_the_next(loaded: LoadedModel, kind: str) -> None:
+def test_a_cancelled_request_frees_its_row_and_blocks_for_the_next(loaded: LoadedModel, kind: str) -> None:
     """A request cancelled at its fourth token (between two steps, as a client that goes away) ends CANCELLED while
-    the others run; a waiting request takes its slot and every request gets its own tokens."""
+    the others run; a waiting request takes its row, its blocks go back to the pool, and every request gets its own
+    tokens."""
     engine, runner = start(loaded, kind, max_batch=2)
     try:
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -264,7 +326,7 @@ def test_a_cancelled_request_frees_its_slot_for_the_next(loaded: LoadedModel, ki
         assert isinstance(end, End) and end.stop_reason is StopReason.CANCELLED and 4 <= end.tokens_out < 10
         assert token_ids(long) == expected_tokens((1, 2), end.tokens_out)
         assert_own_tokens(received, batch)
-        assert runner.wrong == []
+        assert runner.wrong == [] and engine.kv_cache_usage() == 0
     finally:
         engine.close()
 

@@ -1,0 +1,121 @@
+"""The paged KV cache on the real demo model (torch, float32, CPU): requests preempted when the block pool runs out
+read their tokens again and go on exactly as alone, and a prompt's cached prefix gives the tokens that computing it
+would. Greedy and float32, so that batching's different rounding cannot flip a near tie."""
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import End, Error, Event, Request, Token
+from rbee_worker.models.loader import load_model
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0)
+PER_TOKEN = 2 * 30 * 3 * 64 * 4  # the demo model's float32 keys and values of one token, all layers
+BLOCK = 16
+POOL_BLOCKS = 18  # 288 positions: two requests of 136 fit at once, four do not
+
+OPENINGS = [
+    "Lighthouses were once tended by keepers who lived beside the lamp",
+    "Bread rises because yeast turns sugar into gas that the dough traps",
+    "Rivers carve valleys over thousands of years, carrying sand and stones",
+    "Chess began in India as a game of four armies called chaturanga",
+]
+SYSTEM = (
+    "You are a patient tutor for a school in a small coastal town. Answer in plain words, give one example, and "
+    "never use more than three sentences. If a question is unclear, say what you would need to know. "
+)
+
+
+def engine_of(path: Path, **config: object) -> Engine:
+    """One CPU thread: on a machine shared with other work, more threads mostly wait for each other."""
+    return Engine(
+        lambda: load_model(str(path), resolve_placement("cpu", "float32")),
+        EngineConfig(**{"max_batch": 4, "block_size": BLOCK, "threads": 1, **config}),
+    )
+
+
+@pytest.fixture(scope="module")
+def small_pool(demo_gguf: Path) -> Iterator[Engine]:
+    """Prefix caching on (the default), and a pool of POOL_BLOCKS blocks of BLOCK positions."""
+    engine = engine_of(demo_gguf, kv_cache_bytes=(POOL_BLOCKS + 1) * BLOCK * PER_TOKEN)  # + 1: the scratch block
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def uncached(demo_gguf: Path) -> Iterator[Engine]:
+    """Prefix caching off."""
+    engine = engine_of(demo_gguf, prefix_caching=False)
+    yield engine
+    engine.close()
+
+
+def run_together(engine: Engine, requests: list[Request]) -> list[tuple[list[int], End]]:
+    """Submit every request at once; each one's token ids and its End (an Error fails the test)."""
+    streams: list[queue.SimpleQueue[Event]] = [queue.SimpleQueue() for _ in requests]
+    for request, events in zip(requests, streams, strict=True):
+        engine.submit(request, events.put)
+    results = []
+    for events in streams:
+        ids: list[int] = []
+        while not isinstance(event := events.get(timeout=300), End | Error):
+            if isinstance(event, Token):
+                ids.extend(event.token_ids)
+        assert isinstance(event, End), event
+        results.append((ids, event))
+    return results
+
+
+def run(engine: Engine, request: Request) -> tuple[list[int], End]:
+    return run_together(engine, [request])[0]
+
+
+def test_requests_preempted_by_a_full_pool_read_their_tokens_again_and_match_their_solo_runs(
+    small_pool: Engine,
+) -> None:
+    """Four greedy requests of 96 prompt tokens and 40 output tokens each (9 blocks of 16) at once in a pool of 18
+    blocks: the newer ones are preempted and recompute their prompt and output later, and every request ends (no
+    error) with exactly the tokens of its solo run: none lost, none repeated."""
+    engine = small_pool
+    prompts = [engine.tokenize(f"{text}. {text.lower()}, and so on. " * 5)[:96] for text in OPENINGS]
+    assert all(len(p) == 96 for p in prompts) and len({p[:BLOCK] for p in prompts}) == len(prompts)
+    requests = [Request(p, max_tokens=40, sampling=GREEDY, ignore_eos=True) for p in prompts]
+    solo = [run(engine, r)[0] for r in requests]
+    assert engine.preemptions == 0 and all(len(ids) == 40 for ids in solo)
+    together = run_together(engine, requests)
+    assert engine.preemptions > 0
+    assert [ids for ids, _ in together] == solo
+    assert all(end.tokens_out == 40 for _, end in together)
+    assert engine.kv_cache_usage() == 0  # every block back in the pool
+
+
+def test_a_cached_prefix_gives_the_tokens_that_computing_it_would(small_pool: Engine, uncached: Engine) -> None:
+    """A request with a long system prompt run twice: the second run finds its prompt's first blocks in the prefix
+    cache (End.cached_tokens: whole blocks, never the whole prompt) and gives the same greedy tokens; another question
+    after the same system prompt finds the shared blocks and gives the tokens of an engine without prefix caching,
+    which reports no cached tokens."""
+    first = Request(small_pool.tokenize(SYSTEM + "Question: why is the sea salty?"), max_tokens=12, sampling=GREEDY)
+    second = Request(small_pool.tokenize(SYSTEM + "Question: how do tides work?"), max_tokens=12, sampling=GREEDY)
+    shared = next(i for i, (a, b) in enumerate(zip(first.prompt_ids, second.prompt_ids, strict=False)) if a != b)
+    assert shared >= 2 * BLOCK
+    reference = [run(uncached, r) for r in (first, second, first)]
+    assert [end.cached_tokens for _, end in reference] == [0, 0, 0]
+    assert reference[0][0] == reference[2][0]
+
+    ids, end = run(small_pool, first)
+    assert end.cached_tokens == 0 and ids == reference[0][0]
+    ids, end = run(small_pool, first)
+    assert ids == reference[0][0]
+    assert 0 < end.cached_tokens < len(first.prompt_ids) and end.cached_tokens % BLOCK == 0
+    assert end.cached_tokens == (len(first.prompt_ids) - 1) // BLOCK * BLOCK  # all its whole blocks but the last token
+    ids, end = run(small_pool, second)
+    assert ids == reference[1][0]
+    assert end.cached_tokens == shared // BLOCK * BLOCK
