@@ -302,3 +302,19 @@ def test_a_prompt_chunk_waits_for_blocks_rather_than_preempting_older_requests()
     h.scheduler.free(a)
     assert shape(h.scheduler.schedule()) == [[("b", 4, 8)]]
     assert h.scheduler.preemptions == 0
+
+
+def test_a_prompt_that_waited_for_blocks_reports_the_prefix_it_then_found() -> None:
+    """A prompt whose first lookup found nothing and which then waited for blocks looks up again when it gets to run;
+    the prefix found then is what it did not compute, so it is what End.cached_tokens and the pool's hit counter
+    report (its prompt is still queried once)."""
+    h = Harness(block_size=4, blocks=4, max_batch=2)  # 3 blocks
+    a = h.add("a", prompt=tuple(range(1, 12)), max_tokens=1)  # 11 tokens: all 3 blocks; its first 2 registered
+    b = h.add("b", prompt=tuple(range(1, 10)), max_tokens=1)  # a's first 8 tokens and one more
+    plan = h.round()
+    assert shape(plan) == [[("a", 0, 11)]] and b.table.blocks == []  # b found nothing yet, and no block was free
+    h.scheduler.free(a)
+    plan = h.round()
+    assert shape(plan) == [[("b", 8, 1)]]  # its first 8 tokens came from the cache
+    assert b.cached_prompt_tokens == 8
+    assert (h.pool.queried_tokens, h.pool.hit_tokens) == (11 + 9, 8)
