@@ -156,7 +156,7 @@ def test_every_sampling_mode_runs_on_graphs_and_kernels_made_before_ready(
 
     engine = Engine(
         functools.partial(load_model, str(random_llama), Placement(CUDA, torch.bfloat16)),
-        EngineConfig(max_batch=8, kv_cache_bytes=8 << 20),  # slots of 1024 tokens: spans 128 to 1024
+        EngineConfig(max_batch=8, kv_cache_bytes=8 << 20),
     )
     try:
         graphs = engine.loaded and engine._runner.graphs
@@ -217,8 +217,9 @@ def test_first_prompt_chunks_replay_as_graphs_with_the_eager_logits(random_llama
         with torch.inference_mode():
             for count in (1, 15, 16, 17, 100, 256):
                 ids = [(7 * i + 3) % 1000 + 10 for i in range(count)]
-                replayed = engines[0]._runner._prompt_forward([PromptRow(2, ids, 0, False)]).clone()
-                eager = engines[1]._runner._prompt_forward([PromptRow(2, ids, 0, False)])
+                blocks = list(range(1, 2 + count // 16))  # batch row 2's blocks
+                replayed = engines[0]._runner._prompt_forward([PromptRow(2, blocks, ids, 0, False)]).clone()
+                eager = engines[1]._runner._prompt_forward([PromptRow(2, blocks, ids, 0, False)])
                 torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
         assert sorted(graphs.graphs) == graphs.buckets  # warmed up before ready: no capture while serving
         long_prompt = [(5 * i + 1) % 1000 + 10 for i in range(400)]
@@ -228,16 +229,18 @@ def test_first_prompt_chunks_replay_as_graphs_with_the_eager_logits(random_llama
             engine.close()
 
 
-def test_prefill_graph_buckets_fit_a_short_kv_slot(random_llama: Path) -> None:
-    """With KV slots of 200 tokens the chunk buckets stop at 128 (a 256 bucket could not be read back): a 150-token
-    prompt runs eagerly, a 100-token one as a graph, and both decode as an engine without graphs."""
+def test_prefill_graph_buckets_fit_a_short_context(random_llama: Path) -> None:
+    """With a KV pool of 13 blocks of 16 (a context of 208 tokens) the chunk buckets stop at 128 (a 256 bucket could
+    not be read back): a 150-token prompt runs eagerly, a 100-token one as a graph, and both decode as an engine
+    without graphs."""
     per_token = 2 * 4 * 2 * 32 * 4  # keys and values, 4 layers, 2 key/value heads of 32, float32
     load = functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32))
+    pool = (13 + 1) * 16 * per_token  # + 1: the scratch block
     engines = one_after_another(
-        load, [EngineConfig(cuda_graphs=g, max_batch=1, kv_cache_bytes=200 * per_token) for g in (True, False)]
+        load, [EngineConfig(cuda_graphs=g, max_batch=1, kv_cache_bytes=pool) for g in (True, False)]
     )
     try:
-        assert engines[0].context_length == 200
+        assert engines[0].context_length == 208
         assert engines[0]._runner.prefill_graphs.buckets == [16, 32, 64, 128]
         for count in (150, 100):
             ids = [(3 * i + 2) % 1000 + 10 for i in range(count)]

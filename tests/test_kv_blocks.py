@@ -85,27 +85,25 @@ def test_match_takes_the_longest_registered_chain_in_whole_blocks_within_the_lim
     pool.check()
 
 
-def test_counted_lookups_count_queries_and_hits_and_uncounted_ones_do_not() -> None:
+def test_a_lookup_counts_nothing_until_its_prompt_is_counted() -> None:
+    """`match` finds blocks and counts nothing; the scheduler counts a prompt once, when its first chunk runs
+    (`count_query`: its tokens and the hits it started with)."""
     pool = BlockPool(16, 4)
     computed(pool, range(1, 9))
     table = BlockTable()
-    pool.match(table, [*range(1, 9), 0], limit=8)
-    assert (pool.queried_tokens, pool.hit_tokens) == (9, 8)
-    pool.release(table)
-    pool.match(table, [*range(1, 9), 0], limit=8, counted=False)
-    assert len(table.blocks) == 2 and (pool.queried_tokens, pool.hit_tokens) == (9, 8)
-    pool.release(table)
-    pool.match(table, [5, 5, 5, 5, 5], limit=4)
+    assert pool.match(table, [*range(1, 9), 0], limit=8) == 8 and len(table.blocks) == 2
+    assert (pool.queried_tokens, pool.hit_tokens) == (0, 0)
+    pool.count_query(9, 8)
+    pool.count_query(5, 0)
     assert (pool.queried_tokens, pool.hit_tokens) == (14, 8)
 
 
-def test_without_prefix_caching_nothing_is_registered_or_found_and_queries_still_count() -> None:
+def test_without_prefix_caching_nothing_is_registered_or_found() -> None:
     pool = BlockPool(16, 4, prefix_caching=False)
     first = computed(pool, range(1, 9))
     assert first.keys == []
     table = BlockTable()
     assert pool.match(table, range(1, 10), limit=8) == 0 and table.blocks == []
-    assert (pool.queried_tokens, pool.hit_tokens) == (9, 0)
 
 
 def test_a_shared_block_is_freed_only_when_every_table_holding_it_lets_go() -> None:
@@ -509,8 +507,8 @@ def test_solo_runs_through_a_large_pool_give_the_reference_tokens() -> None:
 def test_a_gone_callers_request_that_a_preemption_ends_is_ended_once() -> None:
     """A request whose caller is gone is ended as cancelled by the round that plans it (`Plan.abandoned`); but while
     planning, a preemption first collects the decode step in flight (`settle`), and when that step gives the request
-    its last token, the request ends there (MAX_TOKENS). It must not then be ended a second time: every request
-    has exactly one terminal event (and the metrics count it once)."""
+    its last token, the request ends there (MAX_TOKENS), and the plan no longer lists it. Every request has exactly
+    one terminal event (and the metrics count it once)."""
     harness = Harness(EngineConfig(max_batch=3, block_size=4, prefix_caching=False), "async", 4)
     harness.submit((5, 6, 7), 10)
     harness.submit((8, 9, 10), 2)  # two tokens: the second comes from the step in flight
@@ -521,7 +519,7 @@ def test_a_gone_callers_request_that_a_preemption_ends_is_ended_once() -> None:
     assert (a.launched, gone.launched, b.launched) == (1, 1, 1) and harness.pool.free_blocks == 0
     gone.output.undeliverable = True  # an event could not be delivered: the caller is gone
     plan = harness.round()  # a's position 4 needs a block: b is preempted, after the step in flight is collected
-    assert plan.abandoned == [gone] and plan.preempted == [b.row] and gone.output_ids == [23, 45]
+    assert plan.abandoned == [] and plan.preempted == [b.row] and gone.output_ids == [23, 45]
     terminals = [e for e in harness.events[gone.request_id] if isinstance(e, End | Error)]
     assert len(terminals) == 1, terminals
 

@@ -70,18 +70,20 @@ def test_token_ids_fed_equal_llama_cpps_own_tokenizer(engine: Engine, llm) -> No
 
 
 def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> None:
-    """Weights: llama_model_size. KV cache: all slots allocated at start, at the bytes per token that
-    llama_state_seq_get_size reports for a finished request's sequence (less its per-cell bookkeeping)."""
+    """Weights: llama_model_size. KV cache: the unified pool of the block pool's size (or llama.cpp's rounding up of
+    it) allocated at start, at the bytes per token that llama_state_seq_get_size reports for a finished request's
+    sequence (less its per-cell bookkeeping)."""
     runner = engine._runner
     assert engine.loaded.info.weight_bytes == native.llama_model_size(runner.model.handle)
     assert 80_000_000 < engine.loaded.info.weight_bytes < 120_000_000  # the Q4_1 file's matrices as they are
     kv = runner.kv
-    assert engine.kv_cache_bytes() == kv.slots * kv.tokens_per_slot * kv.bytes_per_token
+    assert engine.kv_cache_bytes() == native.llama_n_ctx(runner._context) * kv.bytes_per_token
+    assert kv.tokens <= native.llama_n_ctx(runner._context) < kv.tokens + 1024
     assert engine.memory_bytes() == engine.loaded.info.weight_bytes + engine.kv_cache_bytes()
     meta = read_gguf(demo_gguf).metadata
     head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
     assert kv.bytes_per_token == meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 4
-    _, end = greedy(engine, engine.tokenize(PROMPTS[0]), 20)  # in slot 0, kept there until the slot is taken again
+    _, end = greedy(engine, engine.tokenize(PROMPTS[0]), 20)  # sequence 0 (batch row 0), kept until the row is taken
     cells = end.prompt_tokens + end.tokens_out - 1
     assert end.kv_cache_bytes == cells * kv.bytes_per_token
     state = native.llama_state_seq_get_size(runner._context, 0)

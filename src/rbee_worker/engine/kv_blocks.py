@@ -64,13 +64,11 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def match(self, table: BlockTable, token_ids: Sequence[int], limit: int, counted: bool = True) -> int:
+    def match(self, table: BlockTable, token_ids: Sequence[int], limit: int) -> int:
         """An empty table takes the registered blocks of the longest cached prefix of `token_ids` (at most `limit`
-        tokens, whole blocks); returns the tokens they hold. `counted`: a query of len(token_ids) tokens, and its
-        hits, go into `queried_tokens` and `hit_tokens`."""
+        tokens, whole blocks); returns the tokens they hold."""
         assert not table.blocks, "only a sequence with no blocks looks up its prefix"
         if not self.prefix_caching:
-            self.queried_tokens += len(token_ids) if counted else 0
             return 0
         size, parent = self.block_size, b""
         for start in range(0, limit - size + 1, size):
@@ -82,11 +80,12 @@ class BlockPool:
             table.blocks.append(block)
             table.keys.append(key)
             parent = key
-        found = len(table.blocks) * size
-        if counted:
-            self.queried_tokens += len(token_ids)
-            self.hit_tokens += found
-        return found
+        return len(table.blocks) * size
+
+    def count_query(self, tokens: int, hits: int) -> None:
+        """A prompt of `tokens` tokens started with `hits` of them found in the prefix cache (the metrics' counts)."""
+        self.queried_tokens += tokens
+        self.hit_tokens += hits
 
     def grow(self, table: BlockTable, tokens: int) -> bool:
         """Give the table blocks for positions 0..tokens-1; False, and nothing taken, when the pool has too few."""

@@ -44,7 +44,7 @@ class Sequence:
     cached_prompt_tokens: int = 0  # prompt tokens that its first chunk found in the prefix cache
     output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
     launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Steps._decode)
-    looked_up: bool = False  # its prompt has been looked up in the prefix cache (and counted there)
+    looked_up: bool = False  # its first chunk has run, and what it found in the prefix cache is counted
     finished: bool = False  # ended: its row and blocks are free and its id may come again
 
     @property
@@ -158,7 +158,9 @@ class Scheduler:
                 chunks.append(chunk)
             elif self._room(sequence, sequence.cached + sequence.launched + 1, settle):
                 decoding.append(sequence)
-        decoding = [s for s in decoding if not s.finished and not s.prefilling]  # a settle may have ended some
+        # A settle (before a preemption) may have ended some.
+        abandoned = [s for s in abandoned if not s.finished]
+        decoding = [s for s in decoding if not s.finished and not s.prefilling]
         chunks = [c for c in chunks if not c.sequence.finished]
         if self.mixed_batches:
             forwards = [Forward(chunks, decoding)] if chunks or decoding else []
@@ -193,6 +195,10 @@ class Scheduler:
             count = min(count, held - sequence.cached)
             if count <= 0 or not self.blocks.grow(sequence.table, sequence.cached + count):
                 return None
+        if not sequence.looked_up:  # its first chunk runs: what it found is what it reports
+            sequence.looked_up = True
+            sequence.cached_prompt_tokens = sequence.cached
+            self.blocks.count_query(len(sequence.request.prompt_ids), sequence.cached)
         return Chunk(sequence, sequence.cached, count)
 
     def _look_up(self, sequence: Sequence) -> None:
@@ -201,11 +207,7 @@ class Scheduler:
         limit = sequence.prefill_end - 1
         if self.config.deterministic:
             limit -= limit % self.config.prefill_chunk
-        tokens = sequence.token_ids(0, sequence.prefill_end)
-        sequence.cached = self.blocks.match(sequence.table, tokens, limit, counted=not sequence.looked_up)
-        if not sequence.looked_up:
-            sequence.cached_prompt_tokens = sequence.cached
-        sequence.looked_up = True
+        sequence.cached = self.blocks.match(sequence.table, sequence.token_ids(0, sequence.prefill_end), limit)
 
     def _room(self, sequence: Sequence, tokens: int, settle: Callable[[], None], wait: bool = False) -> bool:
         """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.
