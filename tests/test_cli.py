@@ -82,9 +82,9 @@ def test_context_overflow_is_a_usage_error() -> None:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_kv_cache_is_sized_for_the_one_request(runtime: str) -> None:
-    """generate holds one KV slot of the prompt and --max-tokens (not --max-batch slots of the model's 8192 tokens),
-    and its summary line reports the KV bytes held, not the request's share: llama.cpp reserves its cells whole
-    (rounded up to 256 a sequence), the torch runtime on a CPU holds the positions it has written."""
+    """generate's KV pool holds the blocks of the prompt and --max-tokens (not --max-batch contexts of the model's 8192
+    tokens), and its summary line reports the KV bytes held: llama.cpp reserves its cells whole (at least 256), the
+    torch runtime on a CPU holds the blocks it has written (the scratch block and the request's, of 16 tokens)."""
     max_tokens = 24
     result = cli(
         "generate", "--model", "demo", "--runtime", runtime, "--prompt", PROMPT, "--temperature", "0",
@@ -92,15 +92,15 @@ def test_kv_cache_is_sized_for_the_one_request(runtime: str) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = re.search(
-        r"(\d+) prompt tokens, .* memory: \d+ MiB weights \+ ([\d.]+) MiB KV cache \(one slot of (\d+) tokens\)",
+        r"(\d+) prompt tokens, .* memory: \d+ MiB weights \+ ([\d.]+) MiB KV cache \(a context of (\d+) tokens\)",
         result.stderr,
     )
     assert summary, result.stderr
-    prompt_tokens, kv_mib, slot_tokens = int(summary[1]), float(summary[2]), int(summary[3])
-    assert slot_tokens == prompt_tokens + max_tokens
+    prompt_tokens, kv_mib, context = int(summary[1]), float(summary[2]), int(summary[3])
+    assert context == prompt_tokens + max_tokens
     # The demo's keys and values: 30 layers x 3 KV heads x 64 x 2, in F16 on llama.cpp, float32 on a CPU's torch.
     bytes_per_token = 30 * 3 * 64 * 2 * (2 if runtime == "llama.cpp" else 4)
-    held_tokens = 256 if runtime == "llama.cpp" else slot_tokens
+    held_tokens = 256 if runtime == "llama.cpp" else (1 + -(-context // 16)) * 16
     assert kv_mib == round(held_tokens * bytes_per_token / 2**20, 1), result.stderr
 
 

@@ -17,11 +17,13 @@ import pytest
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK, BlockPool, BlockTable, block_key
 from rbee_worker.engine.output import Output, OutputProcessor
+from rbee_worker.engine.rows import kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
 from rbee_worker.engine.step import Steps
 from rbee_worker.engine.types import End, Error, Event, Request, StopReason, Token
+from rbee_worker.errors import ModelLoadError
 
 # -- the pool alone ---------------------------------------------------------------------------------------------
 
@@ -256,6 +258,9 @@ class KvReadingRunner:
 
     def assign(self, row: int, params: SamplingParams, seed: int, prompt_ids: Tokens[int], logprobs: object) -> None:
         self.chosen.pop(row, None)
+
+    def reuse(self, row: int, token_ids: Tokens, limit: int) -> int:
+        return 0  # the block pool is the cache
 
     def evict(self, row: int) -> None:
         self.evicted += 1
@@ -545,3 +550,17 @@ def test_random_traffic_keeps_the_pool_consistent_and_every_request_its_solo_tok
     ended = sum((r.ended for r in runs), Counter())
     assert all(ended[reason] > 0 for reason in StopReason if reason is not StopReason.STOP_SEQUENCE), ended
     assert ended["failed"] > 0
+
+
+def test_the_pool_offers_the_models_context_whenever_one_request_fits() -> None:
+    """kv_pool: the blocks that the budget holds (no more than --max-batch whole contexts use, plus the scratch block);
+    the context offered is the model's whenever the pool holds it, else the whole pool; too small a pool refuses."""
+    per_token = 23_040  # the demo in bfloat16
+    one_gib = kv_pool(8192, per_token, 16, 2**30, rows=32)
+    assert one_gib.context == 8192 and one_gib.blocks == 2**30 // (16 * per_token)
+    small = kv_pool(8192, per_token, 16, 29 * 16 * per_token, rows=32)
+    assert (small.blocks, small.context, small.tokens) == (29, 28 * 16, 28 * 16)
+    capped = kv_pool(37, per_token, 16, 2**30, rows=1)
+    assert (capped.blocks, capped.context) == (3 + 1, 37)
+    with pytest.raises(ModelLoadError, match="KV cache"):
+        kv_pool(8192, per_token, 16, 3 * 16 * per_token, rows=4)

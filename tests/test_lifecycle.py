@@ -171,12 +171,12 @@ def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(determinis
         assert error["code"] == "ALL_SLOTS_BUSY" and error["message"]
         assert (error["slots_total"], error["slots_busy"], error["queue_total"], error["queue_busy"]) == (2, 2, 1, 1)
     assert execute(client, prompt=PROMPT, max_tokens=48, temperature=0).text in texts
-    # /health's slots and KV cache use: both slots held at some point; at most 2 x (prompt + 48 tokens) of the
-    # 2 x MAX_CONTEXT positions; nothing once idle.
-    prompt_tokens = finished[0].terminal["prompt_tokens"]
+    # /health's slots and KV cache use: both slots held at some point; at most the blocks of 2 x (prompt + 48 tokens)
+    # of the pool's blocks (2 x MAX_CONTEXT positions: --max-batch whole contexts); nothing once idle.
+    prompt_tokens, block = finished[0].terminal["prompt_tokens"], 16
     assert max(body["slots_busy"] for body in health) == 2 and {body["slots_total"] for body in health} == {2}
     usage = [body["kv_cache_usage_perc"] for body in health]
-    assert 0 < max(usage) <= 2 * (prompt_tokens + 48) / (2 * MAX_CONTEXT), usage
+    assert 0 < max(usage) <= 2 * -(-(prompt_tokens + 48) // block) / (2 * MAX_CONTEXT // block), usage
     idle = client.get("/health").json()
     assert (idle["state"], idle["slots_busy"], idle["kv_cache_usage_perc"]) == ("idle", 0, 0)
 
@@ -251,14 +251,12 @@ def test_max_context_caps_prompt_plus_max_tokens(client: httpx.Client) -> None:
 
 
 def test_kv_cache_memory_sets_the_context_or_refuses_to_start(tmp_path: Path) -> None:
-    """--kv-cache-gb splits the memory over the --max-batch slots: the context the worker then offers (max_model_len)
-    is what fits (demo model in bf16, named since `auto` depends on the CPU: 23,040 bytes per token); too little for a
-    useful slot is exit 2."""
-    per_token = 30 * 3 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16 bytes
-    budget = 0.01
-    with running(tmp_path, "--dtype", "bfloat16", "--max-batch", "4", "--kv-cache-gb", str(budget)) as worker:
+    """--kv-cache-gb sizes one pool of KV blocks that every request draws on: with 1 GiB and --max-batch 32 the worker
+    offers the demo's whole context (max_model_len 8192: one request fits), whatever --max-batch; a pool too small for
+    a useful context is exit 2 (bf16 named, since `auto` depends on the CPU: 23,040 bytes per token)."""
+    with running(tmp_path, "--dtype", "bfloat16", "--max-batch", "32", "--kv-cache-gb", "1") as worker:
         models = httpx.get(f"{worker.url}/v1/models", timeout=10).json()["data"]
-    assert {model["max_model_len"] for model in models} == {int(budget * 2**30) // (4 * per_token)}
+    assert {model["max_model_len"] for model in models} == {8192}
     refused = cli("serve", "--dtype", "bfloat16", "--max-batch", "4", "--kv-cache-gb", "0.001", "--port", "0",
                   timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "KV cache" in refused.stderr, refused.stderr

@@ -158,10 +158,12 @@ def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Clien
     assert body["dtype"] in {"torch": ("float32", "bfloat16"), "llama.cpp": ("float32",)}[runtime]
     assert body["runtime"] == runtime
     # Measured weights: the Q4_1 file's matrices held as they are (--quantize auto, or llama.cpp's own figure), about
-    # 95 MB; dequantized to bfloat16 they would take about 270 MB. The KV cache: on torch the part touched so far (none
-    # yet), on llama.cpp all of it, allocated at start: 16 slots of the demo's 8192 tokens at 23040 bytes each.
+    # 95 MB; dequantized to bfloat16 they would take about 270 MB. The KV cache: on torch the part touched so far (the
+    # scratch block of 16 positions), on llama.cpp all of it, allocated at start: --max-batch 16 whole contexts of the
+    # demo's 8192 tokens at 23040 bytes each (F16).
     assert 80_000_000 < body["weight_bytes"] < 150_000_000
-    assert body["kv_cache_bytes"] == {"torch": 0, "llama.cpp": 16 * 8192 * 23040}[runtime]
+    torch_block = 16 * 30 * 3 * 64 * 2 * (4 if body["dtype"] == "float32" else 2)
+    assert body["kv_cache_bytes"] == {"torch": torch_block, "llama.cpp": 16 * 8192 * 23040}[runtime]
     assert body["memory_bytes"] == body["weight_bytes"] + body["kv_cache_bytes"]
 
 
@@ -224,7 +226,8 @@ def test_greedy_stream_equals_generate_and_arrives_incrementally(
     assert stream.events[0]["model"] == DEMO_NAME
     assert stream.text == reference["text"]
     end = stream.terminal
-    assert set(end) == {"type", "tokens_out", "prompt_tokens", "decode_time_ms", "stop_reason", "seed"}, end
+    keys = {"type", "tokens_out", "prompt_tokens", "cached_tokens", "decode_time_ms", "stop_reason", "seed"}
+    assert set(end) == keys, end
     assert end["type"] == "end" and end["stop_reason"] == "MAX_TOKENS"
     assert end["tokens_out"] == reference["tokens_out"] == 64
     assert end["prompt_tokens"] == reference["prompt_tokens"]

@@ -80,6 +80,9 @@ class FakeRunner:
     def assign(self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: object) -> None:
         self.stream[row], self.next[row] = list(prompt_ids), None
 
+    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
+        return 0  # the block pool is the cache
+
     def evict(self, row: int) -> None:
         self.evicted.append(row)
         self.next[row] = None

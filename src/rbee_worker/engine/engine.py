@@ -321,7 +321,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self._runner = self._make_runner(self._load(), self.config)
-            self._scheduler = Scheduler(self.config, self._runner.capabilities.mixed_batches, self._runner.kv)
+            runner = self._runner
+            self._scheduler = Scheduler(self.config, runner.capabilities.mixed_batches, runner.kv, runner.reuse)
             info = self._runner.loaded.info
             bytes_per_token = self._runner.kv.bytes_per_token
             self._output = OutputProcessor(info.eos_token_ids, bytes_per_token, self._retire, self._observer)

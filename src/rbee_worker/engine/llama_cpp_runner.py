@@ -110,6 +110,10 @@ class LlamaCppRunner:
         native.llama_memory_seq_rm(self._memory, row, -1, -1)
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
+    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
+        """No prefix is reused yet: every prompt is computed whole."""
+        return 0
+
     def evict(self, row: int) -> None:
         """The request in this batch row was preempted: its sequence's cells go back to the pool."""
         native.llama_memory_seq_rm(self._memory, row, -1, -1)

@@ -116,6 +116,11 @@ class Runner(Protocol):
     ) -> None:
         """A request takes the batch row: its sampling state comes (what an earlier holder left goes)."""
 
+    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
+        """For a runtime whose memory does not follow the block tables (`KvGeometry.shared_blocks` False): how many of
+        the first tokens of `token_ids` (at most `limit`) it holds keys and values of already, now given to batch row
+        `row`'s sequence, so that its prompt is computed from there on. 0 where the block pool is the cache."""
+
     def evict(self, row: int) -> None:
         """The request in this batch row was preempted: the scheduler took its blocks back, and whatever the runtime
         keeps for it beyond them goes (it reads its tokens again from position 0 later)."""

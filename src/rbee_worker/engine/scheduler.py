@@ -112,10 +112,18 @@ class Scheduler:
     """Owns the admitted requests (`waiting` for a row, `running` in one), the rows, the block pool, and each
     sequence's progress."""
 
-    def __init__(self, config: EngineConfig, mixed_batches: bool, kv: KvGeometry) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        mixed_batches: bool,
+        kv: KvGeometry,
+        reuse: Callable[[int, tuple[int, ...], int], int] | None = None,
+    ) -> None:
         self.config = config
         self.mixed_batches = mixed_batches and not config.deterministic
         self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
+        # Where the runtime keeps a prefix cache of its own (Runner.reuse), it is asked instead of the block pool's.
+        self._reuse = reuse if config.prefix_caching and not kv.shared_blocks else None
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # admission order, which is arrival order
         self._by_id: dict[str, Sequence] = {}
@@ -202,12 +210,20 @@ class Scheduler:
         return Chunk(sequence, sequence.cached, count)
 
     def _look_up(self, sequence: Sequence) -> None:
-        """A sequence about to read its prompt takes the longest cached prefix of it (whole blocks, never the whole
-        prompt: its last token is computed for the logits that pick the first output)."""
+        """A sequence about to read its prompt takes the longest cached prefix of it (never the whole prompt: its last
+        token is computed for the logits that pick the first output): whole blocks of the pool's prefix cache, or
+        what the runtime's own cache holds (Runner.reuse)."""
         limit = sequence.prefill_end - 1
         if self.config.deterministic:
             limit -= limit % self.config.prefill_chunk
-        sequence.cached = self.blocks.match(sequence.table, sequence.token_ids(0, sequence.prefill_end), limit)
+        tokens = sequence.token_ids(0, sequence.prefill_end)
+        if self._reuse is None:
+            sequence.cached = self.blocks.match(sequence.table, tokens, limit)
+            return
+        assert sequence.row is not None
+        found = self._reuse(sequence.row, tokens, limit)
+        # The runtime's cells are its own; the pool accounts for them as the sequence's blocks.
+        sequence.cached = found if self.blocks.grow(sequence.table, found) else 0
 
     def _room(self, sequence: Sequence, tokens: int, settle: Callable[[], None], wait: bool = False) -> bool:
         """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.

@@ -92,6 +92,10 @@ class TorchRunner:
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
         return self.sampling.features(rows)
 
+    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
+        """Nothing: the block pool's prefix cache serves this runner (its blocks are where its keys and values are)."""
+        return 0
+
     def evict(self, row: int) -> None:
         """Nothing to do: the request's keys and values are in its blocks, which the scheduler took back."""
 
