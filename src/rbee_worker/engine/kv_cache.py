@@ -67,7 +67,7 @@ class PagedCache:
         self._kv_len = 0
         self._mode: ReadMode = "gather"
         self._writes: torch.Tensor | None = None  # flat positions of the forward's new tokens, in row-major order
-        self._reads: torch.Tensor | None = None  # gather: (rows, kv_len) flat positions read
+        self._reads: torch.Tensor | None = None  # gather: the rows' first blocks, covering kv_len, row after row
 
     @property
     def resident_bytes(self) -> int:
@@ -99,9 +99,8 @@ class PagedCache:
         positions [0, kv_len) of each row."""
         self._kv_len, self._mode = kv_len, mode
         self._writes = self.flat_positions(rows, positions).reshape(-1)
-        if mode == "gather":
-            span = torch.arange(kv_len, device=positions.device)[None, :].expand(rows.shape[0], -1)
-            self._reads = self.flat_positions(rows, span)
+        if mode == "gather":  # whole blocks: one contiguous copy of each, not one of each position
+            self._reads = self.tables[rows, : -(-kv_len // self.block_size)].reshape(-1)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
@@ -115,7 +114,12 @@ class PagedCache:
             return key_states, value_states
         if self._mode == "paged":
             return keys, values
-        return flat_keys[self._reads].transpose(1, 2), flat_values[self._reads].transpose(1, 2)
+        return self._gather(keys, key_states.shape[0]), self._gather(values, key_states.shape[0])
+
+    def _gather(self, pool: torch.Tensor, rows: int) -> torch.Tensor:
+        """Positions [0, kv_len) of each row, from its blocks: (rows, kv_heads, kv_len, head_dim)."""
+        blocks = pool.index_select(0, self._reads).view(rows, -1, self.heads, self.head_dim)
+        return blocks[:, : self._kv_len].transpose(1, 2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
