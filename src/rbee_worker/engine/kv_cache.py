@@ -60,9 +60,10 @@ class PagedCache:
         self.bytes_per_block = kv.block_size * kv.bytes_per_token
         self._zeroed = kv.blocks if device.type == "cuda" else 0  # blocks [0, _zeroed) are initialized
         self.ensure_zeroed(SCRATCH_BLOCK)
-        # Each batch row's block table (row `rows`: the scratch row of padding), long for indexing.
+        # Each batch row's block table (row `rows`: the scratch row of padding), long for indexing; its last column
+        # stays the scratch block, which a gathered read may take past a row's blocks (see `prepare`).
         self.max_blocks = -(-kv.context // kv.block_size)
-        self.tables = torch.zeros(rows + 1, self.max_blocks, dtype=torch.long, device=device)
+        self.tables = torch.zeros(rows + 1, self.max_blocks + 1, dtype=torch.long, device=device)
         self.device = device
         self._kv_len = 0
         self._mode: ReadMode = "gather"
@@ -100,7 +101,10 @@ class PagedCache:
         self._kv_len, self._mode = kv_len, mode
         self._writes = self.flat_positions(rows, positions).reshape(-1)
         if mode == "gather":  # whole blocks: one contiguous copy of each, not one of each position
-            self._reads = self.tables[rows, : -(-kv_len // self.block_size)].reshape(-1)
+            # Always more positions than kv_len, and at least two blocks: under torch.compile a read of exactly kv_len
+            # positions, or of one block, is a class of shapes of its own, which would compile again after ready.
+            blocks = max(2, kv_len // self.block_size + 1)
+            self._reads = self.tables[rows, :blocks].reshape(-1)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
