@@ -10,21 +10,6 @@ the last one only when the chunk ends the prompt) and decode rows (one token eac
 logits are read where llama.cpp wrote them, as one [rows, vocab] tensor without a copy, and sampled by the worker's
 own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly as on the torch runtime.
 
-Prefix reuse: the block pool cannot serve as the prefix cache here (llama.cpp places the cells), so the runner keeps
-one of its own, as llama-server does per slot, across sequences. It records, for every sequence it holds, the tokens
-whose keys and values that sequence holds (positions 0..n-1). A finished request's sequence stays in its batch row
-until a new request takes the row, and then moves to the row's "keeper" sequence (id row + max_batch), so that the
-last request of each row stays cached. At a prompt's first chunk (`reuse`), the held sequence with the longest common
-prefix with the prompt (a batch row's, running or finished, or a keeper's) gives that prefix to the row's sequence
-with `llama_memory_seq_cp`, which in a unified cache only tags the source's cells with the row's id: the cells are
-shared, nothing is copied, and each sequence's later tokens go to cells of its own. The prompt is then computed from
-there on. Where the keeper itself gives the prefix, it stays and what the row held goes; where the row's own sequence
-gives it (a conversation's next turn), the row keeps the prefix and the keeper takes the whole. The cells of keepers
-and of ended requests' rows lie outside the block pool's accounting, so llama.cpp may find no room for a batch; these
-cache entries then go, the least recently used first, one at a time, and the batch is decoded again (llama.cpp leaves
-its memory as it was when it finds no room) until it fits. In deterministic mode (a stream per sequence, where a copy
-between sequences copies data) and without the prefix cache, nothing is reused.
-
 Every step is computed before it returns: `launch` hands back a finished step and `chains` is always False.
 """
 
@@ -54,7 +39,6 @@ DECODE_ERRORS = {
     2: "aborted",
     -1: "invalid input batch (a token id outside the vocabulary, or a position out of order)",
 }
-MATCH_STRIDE = 64  # tokens compared at once (as list slices) while finding a common prefix
 
 
 class DecodeFailed(RuntimeError):
@@ -91,19 +75,9 @@ class LlamaCppRunner:
             self.kv = dataclasses.replace(self.kv, context=per_row)
         self.threads = config.threads or psutil.cpu_count(logical=False) or 1
         self.capacity = config.prefill_chunk + rows  # the most tokens one step feeds: a round's chunks and decodes
-        # Prefix reuse shares cells between sequences of the unified pool (see the module docstring); a recurrent
-        # model's state cannot be cut at a position, so it reuses nothing.
-        self.reusing = (
-            unified
-            and config.prefix_caching
-            and not native.llama_model_is_recurrent(model.handle)
-            and not native.llama_model_is_hybrid(model.handle)
-        )
-        # A keeper sequence (id row + rows) for as many rows as llama.cpp's sequence ids allow.
-        self.keepers = min(rows, native.llama_max_parallel_sequences() - rows) if self.reusing else 0
         params = native.llama_context_default_params()
         params.n_ctx = self.kv.tokens if unified else rows * self.kv.context
-        params.n_seq_max = rows + self.keepers
+        params.n_seq_max = rows
         params.kv_unified = unified
         params.n_batch = params.n_ubatch = self.capacity
         params.n_threads = params.n_threads_batch = self.threads
@@ -118,26 +92,10 @@ class LlamaCppRunner:
         self._memory = native.llama_get_memory(self._context)
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
         self.sampling = RowSampling(rows, model.vocab_size, CPU)
-        self._rows, self._unified = rows, unified
-        # Each sequence's tokens at positions 0..n-1 of what llama.cpp holds for it (batch rows and keepers).
-        self._held: dict[int, list[int]] = {}
-        # The sequences that hold tokens only as a cache, whose cells may go when llama.cpp finds no room for a batch:
-        # the keepers, and the rows whose request has ended; the least recently filled or used first.
-        self._spare: dict[int, None] = {}
-        # The rows that the last step chose a token for. A running request that decodes is in every round's one
-        # llama_decode (unified: the scheduler mixes each round's chunks and decode rows in one forward), so a row
-        # chosen a token and not fed one in the next step has ended, unless a preemption or a new request took the row
-        # in between (`evict`, `reuse`, `assign`).
-        self._sampled: set[int] = set()
-        # Rows that `reuse` gave a prefix to, for the request about to compute its prompt there: the scheduler asks
-        # for it while it plans a round, before the round's `assign` (a new request) or `evict` (a request preempted
-        # earlier in the same planning) of that row, which then leave the row's sequence as it is.
-        self._given: set[int] = set()
         log.info(
-            "llama.cpp runtime: %d threads, %d sequences (and %d keepers) sharing %d cells",
+            "llama.cpp runtime: %d threads, %d sequences sharing %d cells",
             self.threads,
             rows,
-            self.keepers,
             self._cells,
             extra={"fields": {"threads": self.threads, "system": native.llama_print_system_info().decode().strip()}},
         )
@@ -147,95 +105,18 @@ class LlamaCppRunner:
     def assign(
         self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the batch row: what an earlier holder left in the row's sequence moves to the row's keeper
-        (unless `reuse` has given the row this request's prefix already), its sampling state comes."""
-        self._take(row)
-        if row in self._given:
-            self._given.discard(row)
-        else:
-            self._vacate(row)
+        """A request takes the batch row: what an earlier holder left in the row's sequence goes, its sampling state
+        comes."""
+        native.llama_memory_seq_rm(self._memory, row, -1, -1)
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """The longest prefix of `token_ids[:limit]` that a held sequence (a batch row's, a keeper's) holds, given to
-        the row's sequence; what the row held before moves to its keeper, unless the keeper is the one that gives.
-        0 when none holds a block's worth, and always in deterministic mode or without the prefix cache."""
-        if not self.reusing:
-            return 0
-        self._take(row)
-        if row in self._given:  # a copy that an earlier reuse gave it, which its source holds too
-            self._clear(row)
-        self._given.add(row)
-        found, source = self._longest(row, token_ids[:limit])
-        if found < self.kv.block_size:
-            self._vacate(row)
-            return 0
-        if source == row:  # the row holds it already: the rest of it goes to the keeper
-            self._vacate(row, keep=found)
-            return found
-        if source == row + self._rows:  # the keeper gives: what the row held goes
-            self._clear(row)
-        else:
-            self._vacate(row)
-        native.llama_memory_seq_cp(self._memory, source, row, 0, found)
-        self._held[row] = list(token_ids[:found])
-        if source in self._spare:  # a cache entry that gives stays longer
-            self._spare[source] = self._spare.pop(source)
-        return found
+        """No prefix is reused yet: every prompt is computed whole."""
+        return 0
 
     def evict(self, row: int) -> None:
-        """The request in this batch row was preempted: its sequence's cells go back to the pool (unless `reuse`
-        has just given it its prefix again); the keepers stay."""
-        self._take(row)
-        if row in self._given:
-            self._given.discard(row)
-        else:
-            self._clear(row)
-
-    def release(self, row: int) -> None:
-        """The request in this batch row has ended: the row's sequence stays, as a cache entry whose cells may go when
-        llama.cpp finds no room for a batch."""
-        self._sampled.discard(row)
-        if self._unified and self._held.get(row):
-            self._spare[row] = None
-
-    def _take(self, row: int) -> None:
-        """A request holds the row: its sequence is no cache entry."""
-        self._sampled.discard(row)
-        self._spare.pop(row, None)
-
-    def _longest(self, row: int, wanted: Sequence[int]) -> tuple[int, int]:
-        """The held sequence that shares the longest prefix with `wanted`, and how long: (0, -1) when none does. Only a
-        sequence that holds every position from 0 counts; on a tie another sequence wins over the row's own (whose
-        contents then stay whole in the keeper)."""
-        wanted = list(wanted)
-        best, source = 0, -1
-        for seq, held in sorted(self._held.items(), key=lambda item: item[0] == row):
-            found = common_prefix(held, wanted)
-            if found > best and native.llama_memory_seq_pos_min(self._memory, seq) == 0:
-                best, source = found, seq
-        return best, source
-
-    def _vacate(self, row: int, keep: int = 0) -> None:
-        """The row's sequence keeps its first `keep` positions; all it holds moves to the row's keeper (replacing the
-        keeper's), where the row has one."""
-        held = self._held.get(row)
-        keeper = row + self._rows
-        if held and row < self.keepers:
-            self._clear(keeper)
-            native.llama_memory_seq_cp(self._memory, row, keeper, -1, -1)
-            self._held[keeper] = list(held)
-            self._spare[keeper] = None
-        if keep:
-            native.llama_memory_seq_rm(self._memory, row, keep, -1)
-            del self._held[row][keep:]
-        else:
-            self._clear(row)
-
-    def _clear(self, seq: int) -> None:
-        native.llama_memory_seq_rm(self._memory, seq, -1, -1)
-        self._held.pop(seq, None)
-        self._spare.pop(seq, None)
+        """The request in this batch row was preempted: its sequence's cells go back to the pool."""
+        native.llama_memory_seq_rm(self._memory, row, -1, -1)
 
     # -- steps -------------------------------------------------------------------------------------------------------
 
@@ -266,32 +147,10 @@ class LlamaCppRunner:
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         """One llama_decode over prompt chunks and decode rows together; the chosen tokens of the prompt rows that
         sample, then of the decode rows, in order."""
+        batch, n, sampled_rows = self._batch, 0, []
         if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
             raise ValueError(f"a step of more than {self.capacity} tokens")
-        if not prompts and not decodes:
-            return []
-        fed = {r.row for r in prompts} | {r.row for r in decodes}
-        for row in self._sampled - fed:  # its request has ended (see __init__)
-            self.release(row)
-        self._sampled = set()
-        try:
-            sampled_rows = self._feed(prompts, decodes)
-        except Exception:  # every request of a failed step ends
-            for row in fed:
-                self.release(row)
-            raise
-        self._sampled = set(sampled_rows)
-        if not sampled_rows:
-            return []
-        packed = self.sampling.sample(self._logits(len(sampled_rows)), sampled_rows, [True] * len(sampled_rows))
-        return [self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)]
-
-    def _feed(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[int]:
-        """The rows in one llama_decode, each sequence's record of its tokens brought along; the rows that sample."""
-        batch, n, sampled_rows = self._batch, 0, []
         for row in prompts:
-            self._given.discard(row.row)
-            self._cut(row.row, row.start)
             last = len(row.token_ids) - 1
             for i, token in enumerate(row.token_ids):
                 self._put(n, token, row.start + i, row.row, row.sample and i == last)
@@ -305,35 +164,12 @@ class LlamaCppRunner:
         batch.n_tokens = n
         if n == 0:
             return []
-        self._decode()
-        for row in prompts:
-            self._held.setdefault(row.row, []).extend(row.token_ids)
-        for row in decodes:
-            held = self._held.setdefault(row.row, [])
-            del held[row.position :]
-            held.append(row.token)
-        return sampled_rows
-
-    def _cut(self, row: int, start: int) -> None:
-        """The row's sequence before a prompt chunk at `start`: whatever it holds from `start` on goes (a reuse that
-        the scheduler could not back with blocks, a preempted request reading its tokens again from 0)."""
-        cut = native.llama_memory_seq_pos_max(self._memory, row) >= start
-        if cut and not native.llama_memory_seq_rm(self._memory, row, start, -1):
-            raise RuntimeError(f"llama.cpp cannot drop positions {start}.. of sequence {row}")
-        held = self._held.get(row)
-        if held is not None:
-            del held[start:]
-
-    def _decode(self) -> None:
-        """llama_decode over the batch. Where it finds no room for the batch (cache entries hold cells that the block
-        pool does not account for), llama.cpp leaves its memory as it was: the least recently used cache entry goes
-        and the batch is decoded again, until it fits or none is left."""
-        while (code := native.llama_decode(self._context, self._batch)) == 1 and self._spare:
-            spare = next(iter(self._spare))
-            log.debug("no room in llama.cpp's KV cache: dropping the cached sequence %d", spare)
-            self._clear(spare)
-        if code != 0:
+        if (code := native.llama_decode(self._context, batch)) != 0:
             raise DecodeFailed(code)
+        if not sampled_rows:
+            return []
+        packed = self.sampling.sample(self._logits(len(sampled_rows)), sampled_rows, [True] * len(sampled_rows))
+        return [self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)]
 
     def _put(self, index: int, token: int, position: int, row: int, logits: bool) -> None:
         batch = self._batch
@@ -358,13 +194,3 @@ class LlamaCppRunner:
             native.llama_free(self._context)
             self._context = None
         self.model.close()
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many first tokens `a` and `b` share: whole MATCH_STRIDE-long slices first, then token by token."""
-    end, n = min(len(a), len(b)), 0
-    while n + MATCH_STRIDE <= end and a[n : n + MATCH_STRIDE] == b[n : n + MATCH_STRIDE]:
-        n += MATCH_STRIDE
-    while n < end and a[n] == b[n]:
-        n += 1
-    return n
