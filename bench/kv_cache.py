@@ -95,12 +95,8 @@ def decode_rate(results: list[list[float]]) -> float:
 def prompts(spec: dict, count: int, length: int, shared: int = 0) -> list[list[int]]:
     """`count` prompts of `length` tokens: the first `shared` tokens the same in all, the rest each its own (a
     distinct first token after the shared part)."""
-    ids = spec["ids"]
-    out = []
-    for i in range(count):
-        tail = [spec["distinct"][i % len(spec["distinct"])], *ids[: length - shared - 1]]
-        out.append((ids[:shared] + tail)[:length] if shared else [spec["distinct"][i], *ids[: length - 1]])
-    return out
+    ids, distinct = spec["ids"], spec["distinct"]
+    return [[*ids[:shared], distinct[i % len(distinct)], *ids[: length - shared - 1]] for i in range(count)]
 
 
 def worker(args: argparse.Namespace, log: Path, src: Path | None, flags: list[str]) -> tuple[object, str]:
