@@ -14,6 +14,7 @@ from rbee_worker.devices import resolve_placement
 from rbee_worker.engine import cuda_graphs
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import DuplicateRequest, Engine, EngineBusy
+from rbee_worker.engine.kv_cache import PagedCache
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.torch_runner import TorchRunner
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token
@@ -369,7 +370,14 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
         outputs = step()
         return ReplayedStep(step, outputs, caches[-1]), outputs
 
-    zeros = torch.zeros
+    def poisoned(cache: PagedCache, *args: object) -> None:
+        # Memory not yet zeroed holds NaN, as uninitialized memory may: no step may read it into the logits.
+        init(cache, *args)
+        for layer in (*cache.keys, *cache.values):
+            layer[cache._zeroed :] = torch.nan
+
+    zeros, init = torch.zeros, PagedCache.__init__
+    monkeypatch.setattr(PagedCache, "__init__", poisoned)
     monkeypatch.setattr(TorchRunner, "_prepare_forward", prepare)
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     monkeypatch.setattr(torch, "zeros", lambda *args, pin_memory=False, **kwargs: zeros(*args, **kwargs))

@@ -132,6 +132,8 @@ class DecodeGraphs:
         for i, r in enumerate(rows):
             index = r.position // size
             host[:, i] = (r.token, r.position, r.position + 1, r.chained, r.row, index, r.blocks[index])
+        # The graph sets the new table entries itself: their blocks are zeroed here first (PagedCache.ensure_zeroed).
+        self.cache.ensure_zeroed(int(host[BLOCK, :count].max()))
         self.inputs[:, :width].copy_(self.host_inputs[turn][:, :width], non_blocking=True)
         graph.replay()
         self.host_out[turn][:count].copy_(packed[:count], non_blocking=True)
