@@ -265,6 +265,9 @@ class KvReadingRunner:
     def evict(self, row: int) -> None:
         self.evicted += 1
 
+    def release(self, row: int) -> None:
+        pass
+
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         assert not (prompts and decodes) or self.kind == "mixed"
         self._maybe_fail()

@@ -71,8 +71,8 @@ def test_token_ids_fed_equal_llama_cpps_own_tokenizer(engine: Engine, llm) -> No
 
 def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> None:
     """Weights: llama_model_size. KV cache: the unified pool of the block pool's size (or llama.cpp's rounding up of
-    it) allocated at start, at the bytes per token that llama_state_seq_get_size reports for a finished request's
-    sequence (less its per-cell bookkeeping)."""
+    it) allocated at start, at the bytes per token of a finished request's sequence state as llama.cpp saves it into
+    the prompt cache (less its per-cell bookkeeping)."""
     runner = engine._runner
     assert engine.loaded.info.weight_bytes == native.llama_model_size(runner.model.handle)
     assert 80_000_000 < engine.loaded.info.weight_bytes < 120_000_000  # the Q4_1 file's matrices as they are
@@ -83,10 +83,11 @@ def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> No
     meta = read_gguf(demo_gguf).metadata
     head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
     assert kv.bytes_per_token == meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 4
-    _, end = greedy(engine, engine.tokenize(PROMPTS[0]), 20)  # sequence 0 (batch row 0), kept until the row is taken
+    saved = runner.prompts.bytes
+    _, end = greedy(engine, engine.tokenize(" ".join(PROMPTS)), 20)  # its sequence's state is saved when it ends
     cells = end.prompt_tokens + end.tokens_out - 1
     assert end.kv_cache_bytes == cells * kv.bytes_per_token
-    state = native.llama_state_seq_get_size(runner._context, 0)
+    state = runner.prompts.bytes - saved
     assert end.kv_cache_bytes < state < end.kv_cache_bytes + 8 * cells + 4096
 
 

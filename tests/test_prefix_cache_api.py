@@ -2,7 +2,7 @@
 OpenAI API (non-streamed and in the streamed usage chunk), `cached_tokens` in the native `end` event, and the
 counters `rbee:prefix_cache_queries_total`, `rbee:prefix_cache_hits_total` and `rbee:num_preemptions_total` on
 /metrics. Unit tests on fakes, then a real worker on the demo model (the torch runtime, which shares KV blocks between
-requests), with and without --no-prefix-cache."""
+requests), with and without --no-prefix-cache, and on llama.cpp, whose own cache finds the prefix."""
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import needs_llama_cpp
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import Worker, execute, running
@@ -249,3 +250,22 @@ def test_no_prefix_cache_computes_every_prompt(tmp_path_factory: pytest.TempPath
         found = counters(worker)
     assert found["rbee:prefix_cache_hits_total"] == 0
     assert found["rbee:prefix_cache_queries_total"] >= 2 * first.usage.prompt_tokens
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_llama_cpp_finds_a_repeated_prompt_in_its_own_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On llama.cpp the runtime's own prefix cache serves (engine/llama_cpp_runner.py, not the block pool's): a chat
+    sent again reports all of its prompt but the last token cached, in the OpenAI usage and the counters."""
+    log_dir = tmp_path_factory.mktemp("llama-cpp-prefix-cache")
+    with running(log_dir, "--runtime", "llama.cpp", "--max-batch", "2", "--threads", "2") as worker:
+        client = client_of(worker)
+        prompt_tokens = httpx.post(f"{worker.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["count"]
+        first, second = ask(client), ask(client)
+        assert first.usage.prompt_tokens == second.usage.prompt_tokens == prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == prompt_tokens - 1
+        assert second.choices[0].message.content
+        found = counters(worker)
+    assert found["rbee:prefix_cache_hits_total"] == prompt_tokens - 1
+    assert found["rbee:prefix_cache_queries_total"] == 2 * prompt_tokens

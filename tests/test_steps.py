@@ -87,6 +87,9 @@ class FakeRunner:
         self.evicted.append(row)
         self.next[row] = None
 
+    def release(self, row: int) -> None:
+        pass
+
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         self._call()
         assert not (prompts and decodes) or self.kind == "mixed"

@@ -420,6 +420,8 @@ class Engine:
         """A request ended: the scheduler frees its row and blocks, then its id may come again and its caller hears of
         it."""
         if self._scheduler is not None:
+            if sequence.row is not None and not sequence.finished:
+                self._runner.release(sequence.row)
             self._scheduler.free(sequence)
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request_id)

@@ -10,6 +10,17 @@ the last one only when the chunk ends the prompt) and decode rows (one token eac
 logits are read where llama.cpp wrote them, as one [rows, vocab] tensor without a copy, and sampled by the worker's
 own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly as on the torch runtime.
 
+Prefix reuse: llama.cpp places the cells, so the block pool cannot be the prefix cache here. When a request ends, its
+sequence's state (keys and values of the tokens it holds) is saved to a host-memory cache (engine/prompt_cache.py,
+as llama-server's `--cache-ram`) and its cells go back; at a prompt's first chunk (`reuse`), the saved state sharing
+the longest prefix with the prompt is restored into the row's sequence and cut to that prefix, or, in a unified pool,
+a running request's sequence gives its cells for the prefix (`llama_memory_seq_cp` shares them, nothing is copied).
+Saved states hold no cells, so a request that runs alone is placed and computed exactly as in a fresh worker: in a
+unified pool llama.cpp's sums depend on which cells every other sequence holds (see bench/results/README.md), and
+cached sequences left in the pool would change every later request's logits. In deterministic mode only a prompt's
+whole `prefill_chunk` chunks are saved (the positions a fresh run computes in the same forwards), and running
+sequences give nothing (a stream per sequence: llama.cpp copies between streams only whole).
+
 Every step is computed before it returns: `launch` hands back a finished step and `chains` is always False.
 """
 
@@ -23,6 +34,7 @@ import psutil
 import torch
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.prompt_cache import PromptCache, common_prefix
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampling import SamplingParams
@@ -39,6 +51,7 @@ DECODE_ERRORS = {
     2: "aborted",
     -1: "invalid input batch (a token id outside the vocabulary, or a position out of order)",
 }
+PROMPT_CACHE_BYTES = 8 << 30  # the most host memory saved states take (llama-server's --cache-ram default)
 
 
 class DecodeFailed(RuntimeError):
@@ -92,11 +105,25 @@ class LlamaCppRunner:
         self._memory = native.llama_get_memory(self._context)
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
         self.sampling = RowSampling(rows, model.vocab_size, CPU)
+        # A recurrent or hybrid model's state cannot be cut at a position, and a sliding-window model keeps no early
+        # positions to give: they reuse nothing.
+        self.reusing = (
+            config.prefix_caching
+            and not native.llama_model_is_recurrent(model.handle)
+            and not native.llama_model_is_hybrid(model.handle)
+            and native.llama_model_n_swa(model.handle) == 0
+        )
+        self.prompts = PromptCache(min(self.kv_bytes(), PROMPT_CACHE_BYTES) if self.reusing else 0)
+        self._unified = unified
+        self._held: list[list[int]] = [[] for _ in range(rows)]  # each sequence's tokens at positions 0..n-1
+        self._prompt_lengths = [0] * rows
+        self._broken = False  # a fatal llama_decode error: nothing more is asked of the context
         log.info(
-            "llama.cpp runtime: %d threads, %d sequences sharing %d cells",
+            "llama.cpp runtime: %d threads, %d sequences sharing %d cells, prompt cache of %.2f GiB",
             self.threads,
             rows,
             self._cells,
+            self.prompts.budget_bytes / 2**30,
             extra={"fields": {"threads": self.threads, "system": native.llama_print_system_info().decode().strip()}},
         )
 
@@ -105,18 +132,72 @@ class LlamaCppRunner:
     def assign(
         self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the batch row: what an earlier holder left in the row's sequence goes, its sampling state
-        comes."""
-        native.llama_memory_seq_rm(self._memory, row, -1, -1)
+        """A request takes the batch row, whose sequence is empty or holds the prefix `reuse` gave it: its sampling
+        state comes."""
+        self._prompt_lengths[row] = len(prompt_ids)
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """No prefix is reused yet: every prompt is computed whole."""
-        return 0
+        """The longest prefix of `token_ids[:limit]` that a saved state or (unified pool) a running request's sequence
+        holds, given to the row's sequence (emptied first: a request looked up again after waiting for blocks); 0 when
+        none holds a block's worth."""
+        if not self.reusing:
+            return 0
+        self._clear(row)
+        wanted = list(token_ids[:limit])
+        found, key = self.prompts.longest(wanted)
+        source = None
+        if self._unified:
+            for other, held in enumerate(self._held):
+                if other != row and (shared := common_prefix(held, wanted)) > found:
+                    found, source = shared, other
+        if found < self.kv.block_size:
+            return 0
+        if source is not None:
+            native.llama_memory_seq_cp(self._memory, source, row, 0, found)
+        else:
+            assert key is not None
+            state = self.prompts.take(key)
+            buffer = (ctypes.c_ubyte * len(state)).from_buffer(state)
+            if native.llama_state_seq_set_data(self._context, buffer, len(state), row) != len(state):
+                log.warning("llama.cpp could not restore a saved prompt state; computing the prompt whole")
+                self._clear(row)
+                return 0
+            native.llama_memory_seq_rm(self._memory, row, found, -1)
+        self._held[row] = wanted[:found]
+        return found
 
     def evict(self, row: int) -> None:
         """The request in this batch row was preempted: its sequence's cells go back to the pool."""
+        self._clear(row)
+
+    def release(self, row: int) -> None:
+        """The request in this batch row has ended: its sequence's state is saved to the prompt cache (in deterministic
+        mode its prompt's whole chunks only) unless a saved one holds it already, then its cells go back."""
+        held = self._held[row]
+        keep = len(held)
+        if self.config.deterministic:
+            prompt = self._prompt_lengths[row]
+            keep = min(keep, prompt - prompt % self.config.prefill_chunk)
+        if self.reusing and not self._broken and keep >= self.kv.block_size and not self.prompts.covers(held[:keep]):
+            native.llama_memory_seq_rm(self._memory, row, keep, -1)
+            size = native.llama_state_seq_get_size(self._context, row)
+            state = bytearray(size)
+            buffer = (ctypes.c_ubyte * size).from_buffer(state)
+            if native.llama_state_seq_get_data(self._context, buffer, size, row) == size:
+                self.prompts.insert(held[:keep], state)
+        self._clear(row)
+
+    def _cut(self, row: int, start: int) -> None:
+        """The row's sequence before a prompt chunk at `start`: what it holds from `start` on goes (a prefix that
+        `reuse` gave but the scheduler found no blocks for)."""
+        if len(self._held[row]) > start:
+            native.llama_memory_seq_rm(self._memory, row, start, -1)
+            del self._held[row][start:]
+
+    def _clear(self, row: int) -> None:
         native.llama_memory_seq_rm(self._memory, row, -1, -1)
+        self._held[row] = []
 
     # -- steps -------------------------------------------------------------------------------------------------------
 
@@ -133,6 +214,7 @@ class LlamaCppRunner:
     def fault(self, error: BaseException) -> str | None:
         """A fatal llama_decode error (a code below -1) leaves the context unusable."""
         if isinstance(error, DecodeFailed) and error.code < -1:
+            self._broken = True
             return f"llama.cpp's context cannot decode: {error}"
         return None
 
@@ -151,6 +233,7 @@ class LlamaCppRunner:
         if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
             raise ValueError(f"a step of more than {self.capacity} tokens")
         for row in prompts:
+            self._cut(row.row, row.start)
             last = len(row.token_ids) - 1
             for i, token in enumerate(row.token_ids):
                 self._put(n, token, row.start + i, row.row, row.sample and i == last)
@@ -166,6 +249,12 @@ class LlamaCppRunner:
             return []
         if (code := native.llama_decode(self._context, batch)) != 0:
             raise DecodeFailed(code)
+        for row in prompts:
+            del self._held[row.row][row.start :]
+            self._held[row.row].extend(row.token_ids)
+        for row in decodes:
+            del self._held[row.row][row.position :]
+            self._held[row.row].append(row.token)
         if not sampled_rows:
             return []
         packed = self.sampling.sample(self._logits(len(sampled_rows)), sampled_rows, [True] * len(sampled_rows))

@@ -125,6 +125,10 @@ class Runner(Protocol):
         """The request in this batch row was preempted: the scheduler took its blocks back, and whatever the runtime
         keeps for it beyond them goes (it reads its tokens again from position 0 later)."""
 
+    def release(self, row: int) -> None:
+        """The request in this batch row has ended: whatever the runtime keeps for it
+        beyond its blocks goes, or into the runtime's own prefix cache."""
+
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
         """One forward, computed before it returns (prompt chunks and decode rows together only where
         `capabilities.mixed_batches`); the tokens of the prompt rows that sample, then of the decode rows, in order."""

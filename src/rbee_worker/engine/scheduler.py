@@ -221,6 +221,8 @@ class Scheduler:
             sequence.cached = self.blocks.match(sequence.table, tokens, limit)
             return
         assert sequence.row is not None
+        if sequence.row in self._preempted:  # its runtime memory goes when this round starts (Runner.evict)
+            return
         found = self._reuse(sequence.row, tokens, limit)
         # The runtime's cells are its own; the pool accounts for them as the sequence's blocks.
         sequence.cached = found if self.blocks.grow(sequence.table, found) else 0

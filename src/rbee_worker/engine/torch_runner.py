@@ -99,6 +99,9 @@ class TorchRunner:
     def evict(self, row: int) -> None:
         """Nothing to do: the request's keys and values are in its blocks, which the scheduler took back."""
 
+    def release(self, row: int) -> None:
+        """Nothing to do: the request's keys and values are in its blocks (the prefix cache keeps the full ones)."""
+
     # -- steps -----------------------------------------------------------------------------------------------------
 
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:

@@ -1,0 +1,72 @@
+"""A host-memory cache of saved sequence states, looked up by their tokens' longest common prefix, for a runtime whose
+KV memory the block pool does not describe (llama.cpp's: engine/llama_cpp_runner.py), as llama-server's `--cache-ram`.
+
+An entry is the tokens a sequence held (positions 0..n-1) and the runtime's saved state of those positions (opaque
+bytes). Entries are kept least recently used first within a byte budget. An entry whose tokens begin another's is
+redundant: inserting an extension replaces it, and inserting what an entry already extends only refreshes that entry.
+"""
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+MATCH_STRIDE = 64  # tokens compared at once (as tuple slices) while finding a common prefix
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` share: whole MATCH_STRIDE-long slices first, then token by token."""
+    end, n = min(len(a), len(b)), 0
+    while n + MATCH_STRIDE <= end and a[n : n + MATCH_STRIDE] == b[n : n + MATCH_STRIDE]:
+        n += MATCH_STRIDE
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class PromptCache:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, ...], bytearray] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def longest(self, token_ids: Sequence[int]) -> tuple[int, tuple[int, ...] | None]:
+        """The entry sharing the longest prefix with `token_ids`, and how long that prefix is: (0, None) when none
+        shares a token."""
+        wanted = tuple(token_ids)
+        best, key = 0, None
+        for tokens in self._entries:
+            if (found := common_prefix(tokens, wanted)) > best:
+                best, key = found, tokens
+        return best, key
+
+    def take(self, key: tuple[int, ...]) -> bytearray:
+        """The saved state of an entry found by `longest`, now the most recently used."""
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def covers(self, token_ids: Sequence[int]) -> bool:
+        """Whether an entry holds all of `token_ids` (and maybe more); that entry becomes the most recently used."""
+        wanted = tuple(token_ids)
+        for tokens in self._entries:
+            if tokens[: len(wanted)] == wanted:
+                self._entries.move_to_end(tokens)
+                return True
+        return False
+
+    def insert(self, token_ids: Sequence[int], state: bytearray) -> None:
+        """A new entry, the most recently used; the entries it extends go, then the least recently used ones while the
+        cache holds more than its budget. A state larger than the whole budget is not kept."""
+        if len(state) > self.budget_bytes:
+            return
+        key = tuple(token_ids)
+        for tokens in [t for t in self._entries if key[: len(t)] == t]:
+            self._drop(tokens)
+        self._entries[key] = state
+        self.bytes += len(state)
+        while self.bytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.bytes -= len(self._entries.pop(key))
