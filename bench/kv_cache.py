@@ -15,8 +15,9 @@ as token ids, `ignore_eos` (every stream generates exactly --gen-tokens), greedy
 - `shared64`: 64 requests sharing a 2,000-token prefix (each its own 32-token tail) at once: mean time to first
   token, with the prefix cache and with --no-prefix-cache.
 - `chat`: --chat-requests chat requests at once sharing a system prompt of --system-tokens tokens (greedy, short
-  answers): all must complete; then one more such request alone, timed to its first token, against the same request
-  on a worker with --no-prefix-cache, and their texts compared; /v1/models' max_model_len.
+  answers): all must complete; then --repeats requests with new questions, one at a time, timed to their first
+  token (median), against the same requests on a worker with --no-prefix-cache, and their texts compared;
+  /v1/models' max_model_len.
 
     PYTHONPATH=src python bench/kv_cache.py --model /tmp/m8b --device cuda --dtype bfloat16 --previous prev/src
     PYTHONPATH=src python bench/kv_cache.py --model demo --device cpu --cases chat --max-batch 32 --kv-cache-gb 1
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat-requests", type=int, default=24)
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    parser.add_argument("--worker-flag", action="append", default=[], help="a flag for the worker (repeatable)")
     parser.add_argument("--out", type=Path, default=Path(f"rbee-bench-{time.strftime('%Y%m%d-%H%M%S')}"))
     return parser.parse_args(argv)
 
@@ -205,39 +207,40 @@ def timed_chat(url: str, body: dict) -> dict:
 
 
 def chat_case(args: argparse.Namespace, work: Path, flags: list[str]) -> dict:
-    """--chat-requests chat requests sharing a system prompt at once, then one more alone, timed, on a worker with
-    the prefix cache and on one without."""
+    """--chat-requests chat requests sharing a system prompt at once on a worker with the prefix cache; then, on it and
+    on one without the cache, --repeats requests with new questions, one at a time, timed: their system prompt is
+    cached on the first."""
     tokenizer = spec_tokenizer(args)
     text = " ".join([TEXT] * (args.system_tokens // 60 + 1))
     system = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][: args.system_tokens])
     questions = [f"Question {i}: in one sentence, what is item {i} of the story about?" for i in range(64)]
+    new_questions = questions[args.chat_requests : args.chat_requests + args.repeats]
     out: dict = {}
     for label, extra in (("cache", []), ("no_cache", ["--no-prefix-cache"])):
         process, url = worker(args, work / f"worker_chat_{label}.log", None, flags + extra)
         try:
             models = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]
-            bodies = [chat_body(system, q, models["id"]) for q in questions[: args.chat_requests]]
-            started = time.perf_counter()
-            answers = asyncio.run(chat_burst(url, bodies))
-            burst_s = time.perf_counter() - started
-            timed = [timed_chat(url, chat_body(system, questions[-1], models["id"])) for _ in range(args.repeats)]
-            usage = timed[-1]["usage"]
-            out[label] = {
-                "max_model_len": models.get("max_model_len"),
-                "completed": sum(1 for a in answers if a.get("choices")),
-                "requests": args.chat_requests,
-                "burst_s": burst_s,
-                "prompt_tokens": usage.get("prompt_tokens"),
-                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            out[label] = {"max_model_len": models.get("max_model_len")}
+            if label == "cache":
+                bodies = [chat_body(system, q, models["id"]) for q in questions[: args.chat_requests]]
+                started = time.perf_counter()
+                answers = asyncio.run(chat_burst(url, bodies))
+                out[label]["burst_s"] = time.perf_counter() - started
+                out[label]["completed"] = sum(1 for a in answers if a.get("choices"))
+                out[label]["requests"] = args.chat_requests
+            timed = [timed_chat(url, chat_body(system, q, models["id"])) for q in new_questions]
+            out[label] |= {
+                "prompt_tokens": [t["usage"].get("prompt_tokens") for t in timed],
+                "cached_tokens": [(t["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") for t in timed],
                 "ttft_s": statistics.median(t["ttft_s"] for t in timed),
-                "text": timed[-1]["text"],
-                "texts_agree": len({t["text"] for t in timed}) == 1,
+                "ttfts_s": [t["ttft_s"] for t in timed],
+                "texts": [t["text"] for t in timed],
             }
         finally:
             process.terminate()
             process.wait(60)
     out["ttft_ratio"] = out["cache"]["ttft_s"] / out["no_cache"]["ttft_s"]
-    out["same_text"] = out["cache"]["text"] == out["no_cache"]["text"]
+    out["same_text"] = out["cache"]["texts"] == out["no_cache"]["texts"]
     return out
 
 
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     flags = ["--runtime", args.runtime, *(["--kv-cache-gb", str(args.kv_cache_gb)] if args.kv_cache_gb else [])]
+    flags += args.worker_flag
     tokenizer = spec_tokenizer(args)
     ids = tokenizer(TEXT * (max(args.long_prompt, args.shared_prompt) // 40 + 2), add_special_tokens=False)
     ids = ids["input_ids"]
