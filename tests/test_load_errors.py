@@ -1,15 +1,18 @@
 """Every bad model, device or flag reaches the user as one line `error: ...` on stderr, exit code 2, nothing on stdout.
 
-Each case runs the real CLI in its own process. The broken models are built cheaply: small files are copied from the
-demo safetensors directory and its weights are symlinked, so nearly every case fails before any weights load.
+Each case runs the real CLI in its own process, forked from one that has imported it once (tests/cli_forks.py). The
+broken models are built cheaply: small files are copied from the demo safetensors directory and its weights are
+symlinked, so nearly every case fails before any weights load.
 """
 
+import functools
 import json
 import os
 import shutil
 import struct
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -17,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from cli_forks import IMPORT_TIME_ENV, CliForks
 from conftest import cli, make_tiny_model, needs_llama_cpp
 from safetensors.torch import load_file, save_file
 
@@ -25,8 +29,25 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+@functools.cache
+def forks() -> CliForks:
+    return CliForks(NO_GPU)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_forks() -> Iterator[None]:
+    yield
+    if forks.cache_info().currsize:
+        forks().close()
+
+
 def generate(model: Path | str, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return cli("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "2", *flags, env=env)
+    """`rbee-worker generate` in a process of its own: forked from one that has imported the CLI once (cli_forks.py),
+    or started afresh where `env` sets what a module reads when imported."""
+    args = ("generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "2", *flags)
+    if env and set(env) & set(IMPORT_TIME_ENV):
+        return cli(*args, env=env)
+    return forks().run(*args, env=env)
 
 
 def assert_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
