@@ -1,4 +1,5 @@
-"""Admission, one path for both HTTP APIs: refuse while draining or loading, build the engine request, submit it.
+"""Admission, one path for both HTTP APIs: refuse while draining or loading, compile the request's grammar (structured
+output), build the engine request, submit it.
 
 `admit` raises an `AdmissionError` subclass for every refusal; each API turns those into its own error shape in one
 place, a route class made by `rendering_route` (FastAPI's exception handlers are app-wide, and the two APIs answer
@@ -6,6 +7,7 @@ the same refusal differently). That route class also notes the refusal's `reason
 `admit` the admitted job's id, for the access log and the failure counter (api/middleware.py).
 """
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
@@ -15,6 +17,7 @@ from fastapi.routing import APIRoute
 
 from rbee_worker.api.state import Job, WorkerState
 from rbee_worker.engine.engine import DuplicateRequest, EngineBusy
+from rbee_worker.engine.grammar import CompiledGrammar, GrammarSpec
 from rbee_worker.engine.types import Request as EngineRequest
 
 E = TypeVar("E", bound=Exception)
@@ -77,6 +80,15 @@ def ensure_open(state: WorkerState) -> None:
         raise Draining()
     if not state.engine.is_loaded:
         raise Loading()
+
+
+async def compile_grammar(state: WorkerState, spec: GrammarSpec) -> CompiledGrammar:
+    """The grammar compiled for the model, awaited: the compilation runs on the engine's grammar threads, so neither
+    the event loop nor the step loop waits. Raises GrammarError for a spec that does not compile, or what
+    `ensure_open` raises (a loading engine cannot compile yet)."""
+    ensure_open(state)
+    # Shielded: a client that leaves must not cancel a compilation that the cache hands to later requests too.
+    return await asyncio.shield(asyncio.wrap_future(state.engine.grammars.compile(spec)))
 
 
 def admit(state: WorkerState, build: Callable[[], EngineRequest], http_request: Request) -> Job:

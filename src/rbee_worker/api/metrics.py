@@ -25,6 +25,11 @@ blocks that running jobs hold), `rbee:prefix_cache_queries_total` and `rbee:pref
 looked up in the prefix cache, and of them found there: hits / queries is the hit rate) and
 `rbee:num_preemptions_total` (running jobs preempted for want of free blocks).
 
+Structured output (not vLLM's): `rbee:grammar_compilations_total` and `rbee:grammar_compile_seconds_total` (grammars
+compiled, and the seconds that took), `rbee:grammar_cache_hits_total` (requests whose grammar the cache held, compiled
+or compiling), `rbee:grammar_masks_total` and `rbee:grammar_mask_seconds_total` (allowed-token masks filled, one per
+constrained token, and the host seconds they took: seconds / masks is what a mask adds to a constrained row's step).
+
 Counters and histograms are fed by the engine thread through the EngineObserver methods below (prometheus-client
 is thread-safe); the gauges and the engine's own counters (prefix cache, preemptions) are read from the engine when
 scraped.
@@ -41,6 +46,7 @@ from prometheus_client.registry import Collector
 
 from rbee_worker.api.native_schema import UNAUTHORIZED
 from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.grammar import GrammarStats
 from rbee_worker.engine.types import End, Error, Request, StopReason
 
 # Buckets in seconds: from a small model's decode step to long generations on big models.
@@ -190,6 +196,16 @@ class EngineGauges(Collector):
             "Running jobs preempted for want of free KV blocks (their blocks freed, their tokens computed again later)",
             name,
             engine.preemptions,
+        )
+        grammars = engine.grammars.stats if engine.is_loaded else GrammarStats()
+        yield counter("rbee:grammar_compilations", "Grammars compiled (structured output)", name, grammars.compilations)
+        yield counter(
+            "rbee:grammar_compile_seconds", "Seconds spent compiling grammars", name, grammars.compile_seconds
+        )
+        yield counter("rbee:grammar_cache_hits", "Requests whose grammar the cache held", name, grammars.cache_hits)
+        yield counter("rbee:grammar_masks", "Allowed-token masks filled for constrained tokens", name, grammars.masks)
+        yield counter(
+            "rbee:grammar_mask_seconds", "Host seconds spent filling allowed-token masks", name, grammars.mask_seconds
         )
         memory = GaugeMetricFamily(
             "rbee:memory_bytes",

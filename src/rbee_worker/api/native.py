@@ -1,8 +1,9 @@
 """The worker's native API (CONTRACT.md §2): /health, /v1/ready, /v1/loading/progress, POST /execute, the job API,
 /cancel and /shutdown.
 
-Routes are thin: validate (api/validation.py), submit to the engine (api/admission.py), and turn its events into SSE
-lines; every refusal is answered by `native_error`. Nothing here runs model code: the engine's thread does, and this
+Routes are thin: validate (api/validation.py), compile a `json_schema` (awaited: the engine compiles it off the event
+loop), submit to the engine (api/admission.py), and turn its events into SSE lines; every refusal is answered by
+`native_error`. Nothing here runs model code: the engine's thread does, and this
 module only talks to it through `Engine.astream`, `Engine.cancel` and its counters.
 """
 
@@ -27,6 +28,8 @@ from rbee_worker.api.admission import (
     Loading,
     Unhealthy,
     admit,
+    compile_grammar,
+    ensure_open,
     rendering_route,
 )
 from rbee_worker.api.native_schema import (
@@ -45,8 +48,16 @@ from rbee_worker.api.native_schema import (
 )
 from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import Job, WorkerState
-from rbee_worker.api.validation import FieldError, JobRequest, errors_body, load_body, parse_job_request
+from rbee_worker.api.validation import (
+    FieldError,
+    JobRequest,
+    errors_body,
+    invalid_schema,
+    load_body,
+    parse_job_request,
+)
 from rbee_worker.cpu_features import cpu_features
+from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Started, StopReason, Token
 from rbee_worker.engine.types import Request as EngineRequest
 
@@ -206,7 +217,8 @@ def native_router(state: WorkerState) -> APIRouter:
 
 
 async def admit_job(state: WorkerState, http_request: Request, *, require_job_id: bool) -> Job:
-    """Validate a job request and submit it to the engine; raises InvalidJob or what `admit` raises."""
+    """Validate a job request, compile its json_schema, and submit it to the engine; raises InvalidJob or what
+    `admit` raises."""
     body = await http_request.body()
     prompt_ids: tuple[int, ...] = ()
 
@@ -215,12 +227,15 @@ async def admit_job(state: WorkerState, http_request: Request, *, require_job_id
         prompt_ids = state.engine.tokenize(prompt)
         return len(prompt_ids)
 
+    ensure_open(state)  # validation tokenizes with the loaded model's tokenizer
+    parsed = parse_job_request(
+        body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=state.engine.context_length
+    )
+    if not isinstance(parsed, JobRequest):
+        raise InvalidJob(parsed)
+    grammar = await job_grammar(state, parsed.json_schema)
+
     def build() -> EngineRequest:
-        parsed = parse_job_request(
-            body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=state.engine.context_length
-        )
-        if not isinstance(parsed, JobRequest):
-            raise InvalidJob(parsed)
         return EngineRequest(
             prompt_ids=prompt_ids,
             max_tokens=parsed.max_tokens,
@@ -229,9 +244,21 @@ async def admit_job(state: WorkerState, http_request: Request, *, require_job_id
             stop=parsed.stop,
             request_id=parsed.job_id or uuid.uuid4().hex,
             correlation_id=getattr(http_request.state, "correlation_id", None),
+            grammar=grammar,
         )
 
     return admit(state, build, http_request)
+
+
+async def job_grammar(state: WorkerState, schema: dict | None) -> CompiledGrammar | None:
+    """A job's json_schema compiled for the model (None without one); one that does not compile is InvalidJob with
+    constraint `valid_schema`."""
+    if schema is None:
+        return None
+    try:
+        return await compile_grammar(state, GrammarSpec.json_schema(schema))
+    except GrammarError as exc:
+        raise InvalidJob([invalid_schema(schema, str(exc))]) from None
 
 
 def native_error(exc: AdmissionError | InvalidJob) -> JSONResponse:

@@ -3,7 +3,9 @@
 
 Bodies are validated by the pydantic models of openai_schema.py; every error has OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: routes raise ApiError or a refusal of api/admission.py, and
-`openai_error` answers both (the validation handler in server.py answers invalid bodies).
+`openai_error` answers both (the validation handler in server.py answers invalid bodies). A `response_format` grammar
+is compiled before the job is submitted (awaited, off the event loop: see Engine.grammars), so a schema that does not
+compile is a 400 naming `response_format` before any work.
 """
 
 import asyncio
@@ -26,6 +28,7 @@ from rbee_worker.api.admission import (
     Loading,
     Unhealthy,
     admit,
+    compile_grammar,
     ensure_open,
     rendering_route,
 )
@@ -48,6 +51,7 @@ from rbee_worker.api.openai_schema import (
 )
 from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import WorkerState
+from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
 from rbee_worker.engine.types import Request as EngineRequest
 
@@ -94,10 +98,14 @@ def openai_router(state: WorkerState) -> APIRouter:
         responses=with_stream(GENERATION_ERRORS, "CompletionResponse chunks, then data: [DONE]"),
     )
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        grammar = await response_grammar(state, body.grammar)
+
         def build() -> EngineRequest:
             check_model(state, body.model)
             prompt_ids = completion_prompt(state, body.prompt)
-            return engine_request(state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl")
+            return engine_request(
+                state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl", grammar
+            )
 
         job = admit(state, build, http_request)
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
@@ -120,11 +128,12 @@ def openai_router(state: WorkerState) -> APIRouter:
     )
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         top = (body.top_logprobs or 0) if body.logprobs else None
+        grammar = await response_grammar(state, body.grammar)
 
         def build() -> EngineRequest:
             check_model(state, body.model)
             prompt_ids = render_chat(state, body.messages)
-            return engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl")
+            return engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar)
 
         job = admit(state, build, http_request)
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
@@ -204,6 +213,17 @@ def openai_error(exc: AdmissionError | ApiError) -> JSONResponse:
     return exc.response()
 
 
+async def response_grammar(state: WorkerState, spec: GrammarSpec | None) -> CompiledGrammar | None:
+    """The response_format's grammar compiled for the model (None for text); a schema that does not compile is a 400
+    naming response_format."""
+    if spec is None:
+        return None
+    try:
+        return await compile_grammar(state, spec)
+    except GrammarError as exc:
+        raise ApiError(400, f"response_format: {exc}", param="response_format") from None
+
+
 def check_model(state: WorkerState, model: str | None) -> None:
     """A named model must be one of this one's names (on a loaded engine: one of them is the model's own)."""
     if model is not None and model not in state.model_names:
@@ -252,6 +272,7 @@ def engine_request(
     logprobs: int | None,
     http_request: Request,
     prefix: str,
+    grammar: CompiledGrammar | None,
 ) -> EngineRequest:
     context = state.engine.context_length
     if not prompt_ids:
@@ -275,6 +296,7 @@ def engine_request(
         correlation_id=getattr(http_request.state, "correlation_id", None),
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
+        grammar=grammar,
     )
 
 

@@ -3,13 +3,15 @@ requests with them and publishes them in the OpenAPI document.
 
 Types are strict (pydantic's strict mode): `false` is not the number 0 and "1" is not 1, as JSON Schema says; an
 integer is still a valid float. Unknown request fields are ignored, as OpenAI-compatible servers do; fields that ask
-for something this worker does not do (n > 1, tools, logit_bias, JSON mode, echo, suffix) are refused with a message
-that says so, never ignored.
+for something this worker does not do (n > 1, tools, logit_bias, echo, suffix) are refused with a message that says
+so, never ignored.
 """
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rbee_worker.engine.grammar import GrammarSpec
 
 SEED_LIMIT = 2**64
 MAX_STOP = 4
@@ -20,6 +22,37 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="as OpenAI's: letters, digits, _ and -, up to 64")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the output follows")
+    strict: bool | None = Field(None, description="accepted; the output always follows the schema")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class GenerationFields(BaseModel):
@@ -44,6 +77,9 @@ class GenerationFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="extension")
     ignore_eos: bool = Field(False, description="extension: generate max_tokens even past end-of-sequence")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: a JSON object; json_schema: JSON that follows the schema (both on one line)"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -69,6 +105,12 @@ class GenerationFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         return None
 
+    @model_validator(mode="after")
+    def _grammar_ends_the_output(self) -> "GenerationFields":
+        if self.ignore_eos and self.grammar is not None:
+            raise ValueError("ignore_eos cannot go with a JSON response_format, which ends where the JSON does")
+        return self
+
     @property
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # the validator made it a list
@@ -76,6 +118,15 @@ class GenerationFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What response_format constrains the output to; None for text."""
+        if isinstance(self.response_format, JsonObjectFormat):
+            return GrammarSpec.json_object()
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return GrammarSpec.json_schema(self.response_format.json_schema.schema_)
+        return None
 
 
 class CompletionRequest(GenerationFields):
@@ -125,14 +176,11 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError('only response_format {"type": "text"} is supported')
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

@@ -20,6 +20,9 @@ Points the contract leaves open, decided here (vLLM / TGI behave the same way un
 - The body must be UTF-8 (a leading BOM is tolerated); otherwise `body`/`json`. JSON that is not an object is
   `body`/`type`. Duplicate keys: the last one wins.
 - `stop` must be a list; a bare string is `type` (the OpenAI routes, not this API, accept one).
+- `json_schema` (*new*, structured output) must be an object; whether it compiles is checked after the table's
+  rules pass (api/native.py: constraint `valid_schema`), since compiling is work. Its numbers reach the schema as
+  JSON numbers (integers stay integers).
 - Strings with unpaired surrogate escapes ("\\ud800") cannot be encoded as UTF-8: `type`.
 - Seed's constraint string (the table gives none) is `range(0..=18446744073709551615)`. top_k's range is open above
   (`range(0..)`); values beyond 2**63-1 are still refused with that constraint so the value stays a machine integer.
@@ -71,6 +74,12 @@ class JobRequest:
     repetition_penalty: float
     seed: int | None
     stop: tuple[str, ...]
+    json_schema: dict[str, Any] | None = None  # structured output (not compiled yet)
+
+
+def invalid_schema(schema: dict[str, Any], reason: str) -> FieldError:
+    """The error of a json_schema that does not compile (checked once every rule of the table passed)."""
+    return FieldError("json_schema", "valid_schema", f"json_schema: {reason}", _render(schema))
 
 
 def errors_body(errors: Sequence[FieldError]) -> dict[str, list[dict[str, str]]]:
@@ -111,6 +120,24 @@ def _number(raw: object) -> float:
     if not isinstance(raw, Decimal):
         raise _WrongType("must be a number")
     return float(raw) + 0.0  # 1e400 -> inf (then out of range); + 0.0 turns -0.0 into 0.0
+
+
+def _object(raw: object) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise _WrongType("must be a JSON object")
+    return _plain(raw)
+
+
+def _plain(value: Any) -> Any:
+    """A parsed JSON value with its numbers (Decimal here) as Python's json module reads them: a literal with a
+    fraction or an exponent as a float, any other as an int."""
+    if isinstance(value, Decimal):
+        return float(value) if not value.is_finite() or any(c in str(value) for c in ".eE") else int(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _string_list(raw: object) -> list[object]:
@@ -199,10 +226,11 @@ _FIELDS: tuple[_Field, ...] = (
     _Field("repetition_penalty", _number, 1.0, (_range(0.0, 2.0, "range(0.0..=2.0)", lo_open=True),)),
     _Field("seed", _integer, None, (_range(0, 2**64 - 1, "range(0..=18446744073709551615)"),)),
     _Field("stop", _string_list, (), (_max_count(4),), _string, (_non_empty, _max_utf8_bytes(100))),
+    _Field("json_schema", _object, None),  # then, once every rule passed, whether it compiles (api/native.py)
 )
 
 
-_JSON_TYPES = {_string: "string", _integer: "integer", _number: "number", _string_list: "array"}
+_JSON_TYPES = {_string: "string", _integer: "integer", _number: "number", _string_list: "array", _object: "object"}
 
 
 def job_request_schema(*, require_job_id: bool) -> dict[str, Any]:
@@ -229,6 +257,7 @@ def job_request_schema(*, require_job_id: bool) -> dict[str, Any]:
     properties["prompt"]["description"] = "prompt tokens + max_tokens must fit the model's context"
     properties["job_id"]["description"] = "unique among running jobs (409 otherwise)"
     properties["max_tokens"]["description"] = "left out: min(2048, context - prompt tokens)"
+    properties["json_schema"]["description"] = "structured output: the text is JSON that follows this JSON Schema"
     return {"type": "object", "properties": properties, "required": required}
 
 

@@ -35,21 +35,25 @@ def graph_features(features: SamplerFeatures) -> SamplerFeatures:
     penalties runs the greedy graph; any other runs top-k, top-p and the penalties whatever its rows ask (each a
     no-op for a row without it: top_k = the vocabulary, penalties 1 and 0; a greedy row takes the argmax after its
     penalties), and a step with logprobs computes MAX_TOP_LOGPROBS alternatives (a row reads the ones it asked for).
-    So the four GRAPH_KINDS per row bucket, captured before ready, serve every mix of settings, instead of a graph
-    per combination captured when a request first brings it, which stalls every running stream for the capture."""
+    So the GRAPH_KINDS per row bucket, captured before ready, serve every mix of settings, instead of a graph
+    per combination captured when a request first brings it, which stalls every running stream for the capture.
+    A step with a grammar's mask (structured output) runs the sampled graph with the mask stage (its greedy rows too):
+    two kinds more, not four."""
     logprobs = -1 if features.top_logprobs < 0 else MAX_TOP_LOGPROBS
-    if not (features.sampling or features.penalties):
-        return SamplerFeatures(masks=features.masks, top_logprobs=logprobs)
+    if not (features.sampling or features.penalties or features.masks):
+        return SamplerFeatures(top_logprobs=logprobs)
     return SamplerFeatures(top_k=True, penalties=True, masks=features.masks, top_logprobs=logprobs)
 
 
-# Every graph_features value a request can bring (logits masks have no caller yet): greedy and sampled, each with and
-# without logprobs.
+# Every graph_features value a request can bring: greedy and sampled, each with and without logprobs, and sampled with
+# masks, with and without logprobs.
 GRAPH_KINDS = [
     SamplerFeatures(),
     SamplerFeatures(top_logprobs=MAX_TOP_LOGPROBS),
     SamplerFeatures(top_k=True, penalties=True),
     SamplerFeatures(top_k=True, penalties=True, top_logprobs=MAX_TOP_LOGPROBS),
+    SamplerFeatures(top_k=True, penalties=True, masks=True),
+    SamplerFeatures(top_k=True, penalties=True, masks=True, top_logprobs=MAX_TOP_LOGPROBS),
 ]
 
 

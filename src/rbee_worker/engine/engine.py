@@ -24,6 +24,7 @@ import torch
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.detokenizer import Detokenizer, token_texts
+from rbee_worker.engine.grammar import Grammars
 from rbee_worker.engine.mailbox import LoopMailbox
 from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
 from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
@@ -91,6 +92,8 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._output: OutputProcessor | None = None
         self._steps: Steps | None = None
+        self._grammars: Grammars | None = None  # made at the first use (`grammars`)
+        self._grammars_lock = threading.Lock()
         self._fault: str | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
@@ -179,6 +182,18 @@ class Engine:
             )
         if any(not s for s in request.stop):
             raise RequestError("stop strings must be non-empty")
+        if request.grammar is not None and request.ignore_eos:
+            raise RequestError("ignore_eos cannot go with a grammar, which ends the output where the grammar does")
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiles Requests' grammars for this model off the engine thread, once per spec (engine/grammar.py)."""
+        loaded, runner = self.loaded, self._runner  # waits for the load
+        assert runner is not None
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(loaded.tokenizer, runner.vocab_size, loaded.info.eos_token_ids)
+            return self._grammars
 
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue a request; `sink` gets Started, Token*, then exactly one End or Error, from the engine thread.
@@ -195,6 +210,8 @@ class Engine:
             sink(Error(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
             return
         output = Output(sink, Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop))
+        if request.grammar is not None:
+            output.grammar = self.grammars.matcher(request.grammar)
         sequence = Sequence(request, seed, output)
         with self._in_flight_lock:
             if self._fault is not None:
@@ -265,6 +282,9 @@ class Engine:
         self._thread.join()
         # A request that raced with close never reached the loop: end it rather than leave its caller waiting.
         self._end_inbox(ErrorCode.CANCELLED, "the engine shut down")
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
         # What freeze_heap froze goes back to the collector, so that the interpreter's finalization frees it: frozen
         # objects outlive it, and extensions that check for leaks at exit (Triton's nanobind) report them on stderr.
         gc.unfreeze()
@@ -363,6 +383,8 @@ class Engine:
                     self._runner.assign(
                         sequence.row, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
                     )
+                    if sequence.output.grammar is not None:  # its first token too (compiling proved one allowed)
+                        self._runner.mask(sequence.row, sequence.output.grammar)
             self._steps.run(plan)
         except DeviceFault:
             raise

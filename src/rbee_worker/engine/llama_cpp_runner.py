@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.prompt_cache import PromptCache, common_prefix
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
@@ -104,6 +105,7 @@ class LlamaCppRunner:
         self._cells = native.llama_n_ctx(self._context)  # what it allocated: each sequence's cells rounded up
         self._memory = native.llama_get_memory(self._context)
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
+        self.vocab_size = model.vocab_size
         self.sampling = RowSampling(rows, model.vocab_size, CPU)
         # A recurrent or hybrid model's state cannot be cut at a position, and a sliding-window model keeps no early
         # positions to give: they reuse nothing.
@@ -136,6 +138,9 @@ class LlamaCppRunner:
         state comes."""
         self._prompt_lengths[row] = len(prompt_ids)
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
+
+    def mask(self, row: int, matcher: Matcher) -> None:
+        self.sampling.mask(row, matcher)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
         """The longest prefix of `token_ids[:limit]` that a saved state or (unified pool) a running request's sequence

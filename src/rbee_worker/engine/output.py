@@ -1,5 +1,6 @@
-"""Output processing: what becomes of a request's sampled tokens. The end-of-sequence token, detokenizing, stop strings,
-the tokens' log-probabilities, the timings the metrics observe, and every event the request's caller receives.
+"""Output processing: what becomes of a request's sampled tokens. The end-of-sequence token, the request's grammar
+(each token advances its matcher), detokenizing, stop strings, the tokens' log-probabilities, the timings the metrics
+observe, and every event the request's caller receives.
 
 The scheduler decides who runs and how far each sequence has got; this module turns tokens into events and says when
 a request's text or EOS ends it. Everything here runs on the engine thread.
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from rbee_worker.engine.detokenizer import Detokenizer
+from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
 
 if TYPE_CHECKING:
@@ -57,6 +59,11 @@ class Output:
     first_token_at: float | None = None
     last_token_at: float | None = None
     undeliverable: bool = False  # an event could not be delivered: the caller is gone
+    grammar: Matcher | None = None  # structured output: where the request is in its grammar
+
+
+class GrammarRejected(RuntimeError):
+    """A constrained request's token that its grammar does not allow: a bug, since the row's mask rules it out."""
 
 
 class OutputProcessor:
@@ -80,8 +87,9 @@ class OutputProcessor:
         send(sequence, Started(sequence.request_id, len(sequence.request.prompt_ids), sequence.seed))
 
     def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:
-        """A sampled token of the sequence: EOS ends it (and is not output); otherwise its text goes out, and a stop
-        string that its text completes ends it. The caller records the token as output first."""
+        """A sampled token of the sequence: EOS ends it (and is not output); otherwise it advances the request's
+        grammar, its text goes out, and a stop string that its text completes ends it. Raises GrammarRejected for a
+        token the grammar does not allow (its mask rules that out)."""
         output = sequence.output
         now = time.perf_counter()
         if output.last_token_at is None:
@@ -92,6 +100,8 @@ class OutputProcessor:
         output.last_token_at = now
         if token in self._eos and not sequence.request.ignore_eos:
             return StopReason.EOS
+        if output.grammar is not None and not output.grammar.accept(token):
+            raise GrammarRejected(f"the request's grammar does not allow the token chosen ({token})")
         text = output.detokenizer.add_token(token)
         self._piece(sequence, text, (token,), () if logprob is None else (logprob,))
         return StopReason.STOP_SEQUENCE if output.detokenizer.stop_matched is not None else None

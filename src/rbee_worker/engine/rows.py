@@ -1,5 +1,5 @@
 """What every model runner shares, whatever runs the forward (torch or llama.cpp): the KV block pool's size, and each
-batch row's sampling state with the batched sampler over the logits rows of a step.
+batch row's sampling state (its grammar's mask included) with the batched sampler over the logits rows of a step.
 """
 
 import logging
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import psutil
 import torch
 
+from rbee_worker.engine.grammar import Matcher, host_bitmask
 from rbee_worker.engine.runner import KvGeometry, Sampled
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample, unpack
 from rbee_worker.engine.sampling import SamplingParams
@@ -61,13 +62,16 @@ def kv_pool(
 class RowSampling:
     """Each batch row's sampling request (parameters, seed, penalty counts, logprobs wanted) in a SamplerState on the
     logits' device, and the batched sampler over a step's logits rows (engine/sampler.py), so that every runtime
-    samples with the same code: penalties, top-k / top-p / min-p, seeds and logprobs behave identically."""
+    samples with the same code: penalties, top-k / top-p / min-p, seeds, logprobs and grammars behave identically."""
 
     def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
         self.state = SamplerState(rows, vocab_size, device)
         self._logprobs: dict[int, int | None] = {}  # each row's top-logprobs request
         self._params: dict[int, SamplingParams] = {}
+        self._masked: set[int] = set()  # the rows whose next draw a grammar constrains
+        # Where grammars write their rows' masks, copied from there to the sampler's state (without waiting, on a GPU).
+        self._masks = host_bitmask(rows, vocab_size, pin=device.type == "cuda")
 
     def assign(
         self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
@@ -75,9 +79,17 @@ class RowSampling:
         """A request takes the batch row: its sampling parameters, seed and penalty counts go to the device."""
         self.state.assign(row, params, seed, prompt_ids)
         self._params[row], self._logprobs[row] = params, logprobs
+        self._masked.discard(row)
+
+    def mask(self, row: int, matcher: Matcher) -> None:
+        """The row's next draw takes only the tokens that the matcher's grammar allows now (until the next mask)."""
+        matcher.fill(self._masks, row)
+        self.state.set_mask(row, self._masks[row])
+        self._masked.add(row)
 
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
-        return SamplerFeatures.of((self._params[row], self._logprobs[row]) for row in rows)
+        masks = any(row in self._masked for row in rows)
+        return SamplerFeatures.of(((self._params[row], self._logprobs[row]) for row in rows), masks)
 
     def sampled(self, packed: Sequence[float], row: int) -> Sampled:
         """A row of sampler.pack's layout, on the host, as the batch row's request asked for it."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import TokenLogprob
 from rbee_worker.models.loaded import LoadedModel
@@ -110,11 +111,16 @@ class Runner(Protocol):
     loaded: LoadedModel
     capabilities: Capabilities
     kv: KvGeometry
+    vocab_size: int  # the logits' width: the model's vocabulary, padding included
 
     def assign(
         self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
         """A request takes the batch row: its sampling state comes (what an earlier holder left goes)."""
+
+    def mask(self, row: int, matcher: Matcher) -> None:
+        """The request in this batch row draws its next token among those its grammar allows now (the matcher fills
+        the row's mask); until the next mask, or the row's next `assign`."""
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
         """For a runtime whose memory does not follow the block tables (`KvGeometry.shared_blocks` False): how many of

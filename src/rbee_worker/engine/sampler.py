@@ -168,14 +168,15 @@ class SamplerState:
     def set_mask(self, slot: int, allowed: torch.Tensor | None) -> None:
         """The tokens the slot may draw from its next draw on, until replaced: a packed bitmask (int32 words,
         ceil(vocab / 32), bit b of word j for token 32 * j + b, the layout of xgrammar's token bitmask); None allows
-        every token. Steps that should honour masks need `SamplerFeatures.masks`."""
+        every token. Steps that should honour masks need `SamplerFeatures.masks`. A mask in pinned host memory goes to
+        a GPU without the host waiting for the copy: it must stay unchanged until a step has read it."""
         if allowed is None:
             self.allowed[slot] = -1
         elif allowed.dtype != torch.int32 or allowed.shape != self.allowed.shape[1:]:
             shape = tuple(self.allowed.shape[1:])
             raise ValueError(f"a mask is int32 of shape {shape}, got {allowed.dtype} {tuple(allowed.shape)}")
         else:
-            self.allowed[slot].copy_(allowed)
+            self.allowed[slot].copy_(allowed, non_blocking=self.device.type == "cuda")
 
 
 @dataclass

@@ -6,6 +6,13 @@ A forward with prompt chunks is computed at once (`Runner.step`). A decode-only 
 and the next step may chain onto it (see `Steps._decode`); any other runner's step is finished when launch returns,
 and its tokens are taken at once.
 
+Structured output: a constrained sequence's next token must be drawn under the mask its grammar gives after its
+previous token, which the host fills (`Runner.mask`) once it has taken that token. So its next step never chains onto
+an uncollected one: a decode step over a constrained row that has a token on its way collects the step before it
+first, and none of that step's rows overlap the host's work with the device's. (Filling the masks while the other
+rows' next step runs, as vLLM and SGLang do, is left for later.) The grammar ends the sequence (EOS) when it has
+ended or allows nothing more.
+
 Faults: a forward that raises ends the requests in it with an error event. When the runner says the failure leaves
 the device unusable (`Runner.fault`), `DeviceFault` propagates and the engine stops. A failure in output processing
 (a bug on the host, not an inference failure) ends its request with INTERNAL_ERROR and its traceback in the log.
@@ -77,7 +84,8 @@ class Steps:
         pending, self._pending = self._pending, None
         live = [s for s in sequences if self.scheduler.wants_token(s)]
         rows = _decode_rows(live)
-        if pending and not (rows and self.runner.chains(rows)):
+        constrained = any(s.output.grammar is not None and s.launched for s in live)
+        if pending and (constrained or not (rows and self.runner.chains(rows))):
             self._collect(pending)
             pending = None
             live = [s for s in sequences if self.scheduler.wants_token(s)]
@@ -127,6 +135,9 @@ class Steps:
                 reason = self.output.token(sequence, out.token, out.logprob)
                 if reason is not StopReason.EOS and self.scheduler.append(sequence, out.token):
                     reason = reason or StopReason.MAX_TOKENS
+                if reason is None and (grammar := sequence.output.grammar) is not None:
+                    self.runner.mask(sequence.row, grammar)
+                    reason = StopReason.EOS if grammar.terminated else None
                 if reason is not None:
                     self.output.end(sequence, reason)
             except Exception as exc:

@@ -25,6 +25,7 @@ from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
+from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
 from rbee_worker.engine.kv_cache import PagedCache, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
@@ -88,6 +89,9 @@ class TorchRunner:
     ) -> None:
         """A request takes the batch row: its sampling parameters, seed and penalty counts go to the device."""
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
+
+    def mask(self, row: int, matcher: Matcher) -> None:
+        self.sampling.mask(row, matcher)
 
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
         return self.sampling.features(rows)

@@ -4,6 +4,7 @@ import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from rbee_worker.engine.grammar import CompiledGrammar
 from rbee_worker.engine.sampling import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Request:
     correlation_id: str | None = None  # the caller's trace id, carried into the request's log line
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    grammar: CompiledGrammar | None = None  # structured output: the tokens follow it (engine/grammar.py)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,222 @@
+"""Structured output: grammars that constrain a request's tokens (a JSON schema, or any JSON object), compiled by
+xgrammar, the grammar engine vLLM and SGLang use by default, against the model's tokenizer.
+
+- `GrammarSpec` says what a request asks for; `Grammars.compile` compiles it on a small thread pool of its own, never
+  on the engine thread or an event loop, and keeps the result by spec (least recently used out past CACHE_BYTES), so
+  the same schema compiles once. xgrammar is imported at the first compilation: a worker that never constrains a
+  request does not load it.
+- A request's `Matcher` follows its tokens: before each of its tokens is sampled, it writes the tokens its grammar
+  allows into the request's row of a bitmask of the sampler's layout (SamplerState.set_mask: int32 words,
+  ceil(vocab / 32) per row, bit b of word j for token 32 * j + b, which is xgrammar's own layout), and it accepts
+  each token chosen.
+
+The text the grammar reads must be the text the caller gets. The detokenizer skips special tokens, so every special
+token but the end-of-sequence ones is left out of the grammar's vocabulary (an empty token, which xgrammar never
+allows); the end-of-sequence tokens are the grammar's stop tokens, allowed once the grammar is complete, and only
+then. JSON is written on one line with xgrammar's separators (`{"a": 1, "b": [2, 3]}`): free whitespace would let a
+model run on in newlines and spaces until max_tokens.
+"""
+
+import collections
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import xgrammar
+
+CACHE_BYTES = 256 << 20  # compiled grammars kept, by xgrammar's measure of their size
+COMPILE_THREADS = 2  # grammars compiled at once, each on one thread: the model's forward keeps the other cores
+# xgrammar's error messages start with a time and a source location: "[18:29:56] /project/cpp/x.cc:5082: ".
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled: a malformed or unsupported schema, or one no text satisfies. The message
+    says why, for the request's caller."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must follow: any JSON object (`json_object`), or the JSON schema `text` (compact
+    JSON, keys in their given order, which is the order the output writes an object's properties in)."""
+
+    kind: Literal["json_schema", "json_object"]
+    text: str = ""
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any]) -> "GrammarSpec":
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema must be a JSON object")
+        return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+
+    @staticmethod
+    def json_object() -> "GrammarSpec":
+        return GrammarSpec("json_object")
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A spec compiled for this model's tokenizer (a Request carries it)."""
+
+    spec: GrammarSpec
+    handle: "xgrammar.CompiledGrammar"
+
+
+@dataclass
+class GrammarStats:
+    """What the metrics report: compilations and their seconds, lookups served by the cache, and the masks filled
+    (per constrained token) and their seconds."""
+
+    compilations: int = 0
+    compile_seconds: float = 0.0
+    cache_hits: int = 0
+    masks: int = 0
+    mask_seconds: float = 0.0
+
+
+class Matcher:
+    """One request's place in its grammar (made for each request; used on the engine thread only)."""
+
+    def __init__(self, grammar: CompiledGrammar, stats: GrammarStats) -> None:
+        import xgrammar
+
+        self._matcher = xgrammar.GrammarMatcher(grammar.handle)
+        self._stats = stats
+        self._stuck = False  # the latest fill allowed no token
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens the grammar allows next into row `row` of `bitmask` (int32, on the host)."""
+        if self._matcher.is_terminated():  # nothing follows (`terminated`): there is no mask to fill
+            return
+        started = time.perf_counter()
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._stuck = not bitmask[row].any()
+        self._stats.masks += 1
+        self._stats.mask_seconds += time.perf_counter() - started
+
+    def accept(self, token: int) -> bool:
+        """Advance past a chosen token; False when the grammar does not allow it (the matcher is unchanged)."""
+        return self._matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """Whether nothing may follow: the grammar has accepted a stop token, or the latest fill allowed no token (the
+        grammar cannot continue)."""
+        return self._stuck or self._matcher.is_terminated()
+
+
+class Grammars:
+    """Compiles grammars for one model's tokenizer, off the caller's thread, and keeps them by spec."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: frozenset[int]) -> None:
+        self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
+        self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rbee-grammar")
+        self._lock = threading.Lock()  # the cache and the stats (held briefly: callers include the event loop)
+        self._compiler_lock = threading.Lock()
+        self._compiler: xgrammar.GrammarCompiler | None = None  # made by the first compilation
+        self._cache: collections.OrderedDict[GrammarSpec, Future[CompiledGrammar]] = collections.OrderedDict()
+        self._sizes: dict[GrammarSpec, int] = {}  # of the compiled entries of _cache
+        self.stats = GrammarStats()
+
+    def compile(self, spec: GrammarSpec) -> "Future[CompiledGrammar]":
+        """The compiled grammar, at once from the cache or later from the pool; the future's exception is a
+        GrammarError for a spec that does not compile."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                self.stats.cache_hits += 1
+                return future
+            future = self._cache[spec] = self._executor.submit(self._compile, spec)
+            return future
+
+    def matcher(self, grammar: CompiledGrammar) -> Matcher:
+        return Matcher(grammar, self.stats)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        started = time.perf_counter()
+        try:
+            grammar = CompiledGrammar(spec, self._compile_spec(spec))
+            first = Matcher(grammar, GrammarStats())
+            first.fill(host_bitmask(1, self._vocab_size), 0)
+            if first.terminated:
+                raise GrammarError("the JSON schema admits no value")
+        except BaseException:
+            with self._lock:
+                self._cache.pop(spec, None)  # a failure is not kept: the same spec is compiled (and refused) again
+            raise
+        size = grammar.handle.memory_size_bytes
+        with self._lock:
+            self.stats.compilations += 1
+            self.stats.compile_seconds += time.perf_counter() - started
+            if spec in self._cache:
+                self._sizes[spec] = size
+                self._evict()
+        return grammar
+
+    def _compile_spec(self, spec: GrammarSpec) -> "xgrammar.CompiledGrammar":
+        compiler = self._compiler_once()
+        schema = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+        try:
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        except RuntimeError as exc:  # xgrammar reports every schema problem so
+            reason = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[0])
+            raise GrammarError(f"the JSON schema cannot be compiled: {reason}") from None
+
+    def _compiler_once(self) -> "xgrammar.GrammarCompiler":
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_ids)
+                # The cache here is this class's (it counts hits); each compilation on one thread (COMPILE_THREADS).
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def _evict(self) -> None:
+        """Least recently used compiled grammars out until the rest fit CACHE_BYTES (called under the lock)."""
+        while sum(self._sizes.values()) > CACHE_BYTES and len(self._sizes) > 1:
+            oldest = next(spec for spec in self._cache if spec in self._sizes)
+            del self._cache[oldest], self._sizes[oldest]
+
+
+def tokenizer_info(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: frozenset[int]
+) -> "xgrammar.TokenizerInfo":
+    """xgrammar's view of the tokenizer, `vocab_size` tokens wide (the logits' width: ids past the tokenizer's are
+    never allowed): its special tokens but `stop_ids` emptied (never allowed, see the module docstring), `stop_ids`
+    the stop tokens."""
+    import xgrammar
+
+    stops = sorted(stop_ids) or None  # None: xgrammar finds the tokenizer's own
+    detected = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    hidden = (special | set(tokenizer.all_special_ids)) - stop_ids
+    vocab = [""] * vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i < vocab_size and i not in hidden:
+            vocab[i] = token
+    return xgrammar.TokenizerInfo(
+        vocab,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stops,
+        add_prefix_space=detected.add_prefix_space,
+    )
+
+
+def host_bitmask(rows: int, vocab_size: int, pin: bool = False) -> torch.Tensor:
+    """A bitmask of the sampler's layout in host memory (`pin`: pinned, for copies to a GPU that do not wait), every
+    token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin)
