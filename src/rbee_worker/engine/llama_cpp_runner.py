@@ -15,11 +15,10 @@ sequence's state (keys and values of the tokens it holds) is saved to a host-mem
 as llama-server's `--cache-ram`) and its cells go back; at a prompt's first chunk (`reuse`), the saved state sharing
 the longest prefix with the prompt is restored into the row's sequence and cut to that prefix, or, in a unified pool,
 a running request's sequence gives its cells for the prefix (`llama_memory_seq_cp` shares them, nothing is copied).
-Saved states hold no cells, so a request that runs alone is placed and computed exactly as in a fresh worker: in a
-unified pool llama.cpp's sums depend on which cells every other sequence holds (see bench/results/README.md), and
-cached sequences left in the pool would change every later request's logits. In deterministic mode only a prompt's
-whole `prefill_chunk` chunks are saved (the positions a fresh run computes in the same forwards), and running
-sequences give nothing (a stream per sequence: llama.cpp copies between streams only whole).
+Saved states hold no cells: cells left to ended sequences would take room that the block pool does not account for,
+and in a unified pool llama.cpp's attention sums depend on the cells every other sequence holds. In deterministic
+mode only a prompt's whole `prefill_chunk` chunks are saved (the positions a fresh run computes in the same
+forwards), and running sequences give nothing (a stream per sequence: llama.cpp copies between streams only whole).
 
 Every step is computed before it returns: `launch` hands back a finished step and `chains` is always False.
 """
