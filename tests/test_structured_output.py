@@ -352,8 +352,12 @@ def person_format(schema: dict[str, Any] = PERSON) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_json_schema_through_the_openai_client_streamed_as_not(client: openai.OpenAI) -> None:
+    """Each seed's output validates, and streamed it is the same text. The prompt is computed once first, so that
+    both compared requests find the same prefix cached: a forward of another shape rounds otherwise, which at
+    temperature 1.0 can move a draw that falls near the boundary between two tokens (README, Determinism)."""
     for seed in SEEDS[:2]:
         asked = {"model": DEMO_NAME, "messages": ASK, "temperature": HOT, "seed": seed, "max_tokens": 200}
+        client.chat.completions.create(**{**asked, "max_tokens": 1})
         reply = client.chat.completions.create(**asked, response_format=person_format())
         text = reply.choices[0].message.content
         assert reply.choices[0].finish_reason == "stop", text
@@ -364,11 +368,12 @@ def test_json_schema_through_the_openai_client_streamed_as_not(client: openai.Op
 
 @pytest.mark.slow
 def test_json_object_on_completions_and_length_first(client: openai.OpenAI) -> None:
-    prompt = "<|im_start|>user\nA JSON object about a bee.<|im_end|>\n<|im_start|>assistant\n"
-    for seed in SEEDS[:2]:
+    ask = 'Reply with one short JSON object, like {"name": "Tom", "age": 3}: a bee.'
+    prompt = f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+    for seed in SEEDS[:2]:  # a chat's settings: see test_json_object_output_is_an_object
         completion = client.completions.create(
-            model=DEMO_NAME, prompt=prompt, temperature=HOT, seed=seed, max_tokens=300,
-            extra_body={"response_format": {"type": "json_object"}},
+            model=DEMO_NAME, prompt=prompt, temperature=CHAT.temperature, top_p=CHAT.top_p, seed=seed, max_tokens=100,
+            extra_body={"response_format": {"type": "json_object"}, "repetition_penalty": CHAT.repetition_penalty},
         )  # fmt: skip
         assert completion.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(completion.choices[0].text), dict)
