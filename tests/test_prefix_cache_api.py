@@ -21,6 +21,7 @@ from rbee_worker.api.metrics import Metrics
 from rbee_worker.api.native import event_json
 from rbee_worker.api.openai import Generation, stream_chunks, usage
 from rbee_worker.api.openai_schema import Usage
+from rbee_worker.engine.grammar import GrammarStats
 from rbee_worker.engine.types import End, Event, StopReason, Token
 
 BLOCK_SIZE = 16  # --block-size's default
@@ -128,6 +129,7 @@ def fake_engine(**overrides: Any) -> SimpleNamespace:
         kv_cache_usage=lambda: 0.25,
         kv_cache_bytes=lambda: 200,
         prefix_cache_tokens=lambda: (0, 0),
+        grammars=SimpleNamespace(stats=GrammarStats()),
     )
     for name, value in overrides.items():
         setattr(engine, name, value)
