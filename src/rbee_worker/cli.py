@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from rbee_worker import __version__
 from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING, WORKER_PEERS
+from rbee_worker.engine.config import REASONING_PARSERS
 from rbee_worker.errors import BindError, GenerationError, ModelLoadError, RegistrationError
 from rbee_worker.logs import LOG_FORMATS, configure_logging
 
@@ -235,6 +236,14 @@ def build_parser() -> Parser:
         help="a Jinja chat template (a file, or the template itself) instead of the model's own",
     )
     jobs.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="auto (default): a chat template that writes <think> marks a reasoning model, whose reasoning goes to "
+        "reasoning_content, apart from content, and whose response_format and tool grammars apply after it; none: "
+        "the reasoning stays in content",
+    )
+    jobs.add_argument(
         "--drain-timeout",
         type=bounded(float, 0.0),
         default=30.0,
@@ -441,6 +450,7 @@ def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineCo
         cuda_graphs=args.cuda_graphs,
         compile_model=compile_model(placement, args),
         threads=args.threads,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+REASONING_PARSERS = ("auto", "none")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,6 +17,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
     compile_model: bool = False  # the forward through torch.compile
     threads: int | None = None  # CPU threads of the forward; None: the physical cores (on torch: its own default)
+    # "auto": a reasoning model's format detected from its chat template (Engine.reasoning); "none": no format.
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0:
@@ -25,3 +29,5 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be at least 1")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
+from rbee_worker.chat.reasoning import ReasoningFormat, detect_reasoning
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.detokenizer import Detokenizer, token_texts
 from rbee_worker.engine.grammar import Grammars
@@ -94,6 +95,7 @@ class Engine:
         self._steps: Steps | None = None
         self._grammars: Grammars | None = None  # made at the first use (`grammars`)
         self._grammars_lock = threading.Lock()
+        self._reasoning: ReasoningFormat | None = None  # detected at load (`reasoning`)
         self._fault: str | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
@@ -186,6 +188,13 @@ class Engine:
             raise RequestError("ignore_eos cannot go with a grammar, which ends the output where the grammar does")
 
     @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The model's reasoning format (chat/reasoning.py), detected at load from its chat template (--chat-template's
+        where given); None for a model that does not reason, or with reasoning_parser "none"."""
+        self.loaded  # noqa: B018 -- waits for the load
+        return self._reasoning
+
+    @property
     def grammars(self) -> Grammars:
         """Compiles Requests' grammars for this model off the engine thread, once per spec (engine/grammar.py)."""
         loaded, runner = self.loaded, self._runner  # waits for the load
@@ -211,7 +220,7 @@ class Engine:
             return
         output = Output(sink, Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop))
         if request.grammar is not None:
-            output.grammar = self.grammars.matcher(request.grammar)
+            output.grammar = self.grammars.matcher(request.grammar, request.reasoning, request.prompt_ids)
         sequence = Sequence(request, seed, output)
         with self._in_flight_lock:
             if self._fault is not None:
@@ -349,6 +358,10 @@ class Engine:
             self._steps = Steps(self._scheduler, self._runner, self._output)
             self._token_texts = token_texts(self._runner.loaded.tokenizer)
             self._vocab_size = len(self._token_texts)
+            if self.config.reasoning_parser == "auto":
+                tokenizer = self._runner.loaded.tokenizer
+                template = tokenizer.chat_template  # a dict where a tokenizer names several templates: none detected
+                self._reasoning = detect_reasoning(template if isinstance(template, str) else None, tokenizer)
             self._loaded = self._runner.loaded
             freeze_heap()
         except BaseException as exc:  # handed to the caller through `loaded`

@@ -9,6 +9,10 @@ xgrammar, the grammar engine vLLM and SGLang use by default, against the model's
   allows into the request's row of a bitmask of the sampler's layout (SamplerState.set_mask: int32 words,
   ceil(vocab / 32) per row, bit b of word j for token 32 * j + b, which is xgrammar's own layout), and it accepts
   each token chosen.
+- A reasoning model's request (chat/reasoning.py) follows its grammar only after its reasoning, as vLLM's structured
+  output with a reasoning parser does: while the reasoning runs the matcher is dormant and masks nothing, and the
+  grammar starts at the token after the end tag. The reasoning runs from the first token when the prompt opens it;
+  otherwise the first token may be the start tag, besides what the grammar allows.
 
 The text the grammar reads must be the text the caller gets. The detokenizer skips special tokens, so every special
 token but the end-of-sequence ones is left out of the grammar's vocabulary (an empty token, which xgrammar never
@@ -22,12 +26,15 @@ import json
 import re
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
+
+from rbee_worker.chat.reasoning import ReasoningFormat, opens_reasoning_ids
 
 if TYPE_CHECKING:
     import xgrammar
@@ -83,28 +90,59 @@ class GrammarStats:
 
 
 class Matcher:
-    """One request's place in its grammar (made for each request; used on the engine thread only)."""
+    """One request's place in its grammar (made for each request; used on the engine thread only).
 
-    def __init__(self, grammar: CompiledGrammar, stats: GrammarStats) -> None:
+    With `reasoning` (a format with both tags' token ids), the grammar applies after the reasoning: the matcher is
+    dormant from the start when `opened` (the prompt opens the reasoning), and otherwise its first token may be the
+    start tag, which makes it dormant; a dormant matcher allows every token and wakes after the end tag."""
+
+    def __init__(
+        self,
+        grammar: CompiledGrammar,
+        stats: GrammarStats,
+        reasoning: ReasoningFormat | None = None,
+        opened: bool = False,
+    ) -> None:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(grammar.handle)
         self._stats = stats
         self._stuck = False  # the latest fill allowed no token
+        tags = reasoning is not None and reasoning.start_id is not None and reasoning.end_id is not None
+        self._start_id = reasoning.start_id if tags else None
+        self._end_id = reasoning.end_id if tags else None
+        self._dormant = tags and opened  # in the reasoning: every token allowed, the grammar waits
+        self._may_open = tags and not opened  # the next token may be the start tag
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens the grammar allows next into row `row` of `bitmask` (int32, on the host)."""
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the tokens the grammar allows next into row `row` of `bitmask` (int32, on the host). Returns whether
+        the row's next draw is masked: False while the matcher is dormant (every token allowed, nothing written)."""
+        if self._dormant:
+            return False
         if self._matcher.is_terminated():  # nothing follows (`terminated`): there is no mask to fill
-            return
+            return True
         started = time.perf_counter()
         self._matcher.fill_next_token_bitmask(bitmask, row)
         self._stuck = not bitmask[row].any()
+        if self._may_open:
+            word, bit = divmod(self._start_id, 32)
+            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # bit 31 is int32's sign
         self._stats.masks += 1
         self._stats.mask_seconds += time.perf_counter() - started
+        return True
 
     def accept(self, token: int) -> bool:
-        """Advance past a chosen token; False when the grammar does not allow it (the matcher is unchanged)."""
-        return self._matcher.accept_token(token)
+        """Advance past a chosen token; False when the grammar does not allow it (the matcher is unchanged). A dormant
+        matcher takes any token, and wakes at the end tag; the start tag as the first token makes it dormant."""
+        if self._dormant:
+            self._dormant = token != self._end_id
+            return True
+        if self._may_open and token == self._start_id:
+            self._dormant = True
+        elif not self._matcher.accept_token(token):
+            return False
+        self._may_open = False
+        return True
 
     @property
     def terminated(self) -> bool:
@@ -138,8 +176,13 @@ class Grammars:
             future = self._cache[spec] = self._executor.submit(self._compile, spec)
             return future
 
-    def matcher(self, grammar: CompiledGrammar) -> Matcher:
-        return Matcher(grammar, self.stats)
+    def matcher(
+        self, grammar: CompiledGrammar, reasoning: ReasoningFormat | None = None, prompt_ids: Sequence[int] = ()
+    ) -> Matcher:
+        """A request's matcher; with a reasoning format, the grammar applies after the reasoning (see Matcher), which
+        the prompt's ids may open."""
+        opened = reasoning is not None and opens_reasoning_ids(reasoning, prompt_ids)
+        return Matcher(grammar, self.stats, reasoning, opened)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

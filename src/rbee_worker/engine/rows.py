@@ -82,10 +82,14 @@ class RowSampling:
         self._masked.discard(row)
 
     def mask(self, row: int, matcher: Matcher) -> None:
-        """The row's next draw takes only the tokens that the matcher's grammar allows now (until the next mask)."""
-        matcher.fill(self._masks, row)
-        self.state.set_mask(row, self._masks[row])
-        self._masked.add(row)
+        """The row's next draw takes only the tokens that the matcher's grammar allows now (until the next mask); a
+        dormant matcher (a reasoning model's reasoning) allows every token, and the row's mask is dropped."""
+        if matcher.fill(self._masks, row):
+            self.state.set_mask(row, self._masks[row])
+            self._masked.add(row)
+        elif row in self._masked:  # a row outside _masked allows every token already (see assign)
+            self.state.set_mask(row, None)
+            self._masked.discard(row)
 
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
         masks = any(row in self._masked for row in rows)

@@ -4,6 +4,7 @@ import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from rbee_worker.chat.reasoning import ReasoningFormat
 from rbee_worker.engine.grammar import CompiledGrammar
 from rbee_worker.engine.sampling import SamplingParams
 
@@ -38,6 +39,8 @@ class Request:
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: CompiledGrammar | None = None  # structured output: the tokens follow it (engine/grammar.py)
+    # A reasoning model's chat request (Engine.reasoning): its grammar applies only after the reasoning.
+    reasoning: ReasoningFormat | None = None
 
 
 @dataclass(frozen=True)
