@@ -92,11 +92,12 @@ async def fake_events(*events: Event) -> AsyncIterator[Event]:
 def streamed(include_usage: bool) -> list[str]:
     events = fake_events(Token("r", "Hi", (5,), 0), end_event(cached_tokens=16))
 
-    def chunk(piece: Generation, finish: str | None) -> dict:
+    def chunk(piece: Generation, end: End | None) -> dict:
+        finish = None if end is None else "stop"
         return {"id": "x", "choices": [{"index": 0, "text": "".join(piece.text), "finish_reason": finish}]}
 
     async def read() -> list[str]:
-        return [line async for line in stream_chunks(events, chunk, include_usage, first=None)]
+        return [line async for line in stream_chunks(events, chunk, usage if include_usage else None, first=None)]
 
     return asyncio.run(read())
 

@@ -1,15 +1,19 @@
 """Reasoning models (chat/reasoning.py): the text splitter, format detection, and a grammar that applies only after
 the reasoning (engine/grammar.py's dormant matcher, engine/rows.py's unmasked row), on a tiny random-weight Qwen3
-model (tests/tiny_qwen3.py) through the engine at temperature 1.0, and on the demo model on both runtimes."""
+model (tests/tiny_qwen3.py) through the engine at temperature 1.0 and over HTTP (reasoning_content, reasoning_tokens,
+streamed deltas), and on the demo model on both runtimes."""
 
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
+import openai
 import pytest
 import torch
 from conftest import RUNTIMES
+from serving import running
 from test_structured_output import allowed, generate_together
 from tiny_qwen3 import END, QWEN3_TEMPLATE, R1_TEMPLATE, START, build_tiny_qwen3
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -408,3 +412,51 @@ def test_both_runtimes_unmask_a_dormant_row(demo_gguf: Path, runtime: str) -> No
         assert unended.stop_reason is StopReason.EOS and refused_by_the_schema(unending), unending
     finally:
         engine.close()
+
+
+# --- the tiny model over HTTP ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def r1_client(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: Path) -> Iterator[openai.OpenAI]:
+    """A worker serving the tiny model with DeepSeek-R1's template (the prompt opens the reasoning)."""
+    directory = tmp_path_factory.mktemp("r1-worker")
+    template = directory / "r1.jinja"
+    template.write_text(R1_TEMPLATE)
+    flags = ("--model", str(tiny_qwen3), "--runtime", "torch", "--dtype", "float32", "--chat-template", str(template))
+    with running(directory, *flags) as worker:
+        yield openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reasoning_of(message: Any) -> str | None:
+    """A message's or a delta's reasoning_content (an extension field: the openai client keeps it as an extra)."""
+    return (message.model_extra or {}).get("reasoning_content")
+
+
+@pytest.mark.slow
+def test_reasoning_content_apart_over_http_streamed_as_not(r1_client: openai.OpenAI) -> None:
+    """The reasoning is message.reasoning_content (no tags) and counted in usage; the answer after it follows the
+    schema; streamed, the deltas concatenate to the same reasoning and content. The prompt is computed once first, so
+    both compared requests find it cached alike."""
+    model = r1_client.models.list().data[0].id
+    schema = {"type": "json_schema", "json_schema": {"name": "thing", "schema": THING}}
+    common = {"model": model, "messages": ASK, "temperature": 1.0, "max_tokens": 200, "response_format": schema}
+    r1_client.chat.completions.create(**{**common, "max_tokens": 1})
+    for seed in (1, 2, 3):
+        reply = r1_client.chat.completions.create(**common, seed=seed)
+        message, usage = reply.choices[0].message, reply.usage
+        reasoning = reasoning_of(message)
+        assert reply.choices[0].finish_reason == "stop" and reasoning is not None, reply
+        assert START not in reasoning and END not in reasoning
+        jsonschema.validate(json.loads(message.content), THING)
+        reasoning_tokens = usage.completion_tokens_details.reasoning_tokens
+        assert 0 < reasoning_tokens < usage.completion_tokens
+        chunks = list(
+            r1_client.chat.completions.create(**common, seed=seed, stream=True, stream_options={"include_usage": True})
+        )
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        assert "".join(reasoning_of(d) or "" for d in deltas) == reasoning
+        assert "".join(d.content or "" for d in deltas) == message.content
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    plain = r1_client.chat.completions.create(model=model, messages=ASK, temperature=1.0, seed=1, max_tokens=40)
+    assert reasoning_of(plain.choices[0].message)  # no schema: the reasoning is split off all the same

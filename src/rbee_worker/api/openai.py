@@ -10,11 +10,13 @@ compile is a 400 naming `response_format` before any work.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,6 +53,9 @@ from rbee_worker.api.openai_schema import (
 )
 from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import WorkerState
+from rbee_worker.chat.output import ChatDelta, ChatOutput
+from rbee_worker.chat.reasoning import ReasoningSplitter, opens_reasoning_ids
+from rbee_worker.chat.tools import ToolCall, forced_grammar, tool_output
 from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
 from rbee_worker.engine.types import Request as EngineRequest
@@ -73,6 +78,7 @@ class Generation:
     """What a finished or streaming job has produced so far, for one response or chunk."""
 
     text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # how many tokens made each piece of `text`
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: End | None = None
     offset: int = 0  # where `text` starts in the whole completion (characters): for text_offset
@@ -98,7 +104,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         responses=with_stream(GENERATION_ERRORS, "CompletionResponse chunks, then data: [DONE]"),
     )
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
-        grammar = await response_grammar(state, body.grammar)
+        grammar = await response_grammar(state, body.grammar, "response_format")
 
         def build() -> EngineRequest:
             check_model(state, body.model)
@@ -110,16 +116,17 @@ def openai_router(state: WorkerState) -> APIRouter:
         job = admit(state, build, http_request)
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
 
-        def chunk(piece: Generation, finish: str | None) -> dict:
+        def chunk(piece: Generation, end: End | None) -> dict:
             logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
+            finish = None if end is None else FINISH_REASONS[end.stop_reason]
             choice = {"index": 0, "text": "".join(piece.text), "logprobs": logprobs, "finish_reason": finish}
             return {**base, "object": "text_completion", "choices": [choice]}
 
         if body.stream:
-            return sse_response(stream_chunks(job.events, chunk, body.include_usage, first=None))
+            return sse_response(stream_chunks(job.events, chunk, usage if body.include_usage else None, first=None))
         generation = await collect(job.events, http_request)
         end = generation.end
-        return JSONResponse({**chunk(generation, FINISH_REASONS[end.stop_reason]), "usage": usage(end)})
+        return JSONResponse({**chunk(generation, end), "usage": usage(end)})
 
     @router.post(
         "/v1/chat/completions",
@@ -128,26 +135,59 @@ def openai_router(state: WorkerState) -> APIRouter:
     )
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         top = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await response_grammar(state, body.grammar)
+        tools = body.tool_dicts
+        if body.forced_tool is not None:
+            spec = forced_grammar(tools or [], body.forced_tool, body.parallel_tool_calls)
+            grammar = await response_grammar(state, spec, "tools")
+        else:
+            grammar = await response_grammar(state, body.grammar, "response_format")
+
+        prompt_ids: tuple[int, ...] = ()
 
         def build() -> EngineRequest:
+            nonlocal prompt_ids
             check_model(state, body.model)
-            prompt_ids = render_chat(state, body.messages)
-            return engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar)
+            messages = [m.for_template() for m in body.messages]
+            prompt_ids = render_chat(state, messages, tools=tools, template_kwargs=body.chat_template_kwargs)
+            request = engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar)
+            return dataclasses.replace(request, reasoning=state.engine.reasoning)
 
         job = admit(state, build, http_request)
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
+        reasoning = state.engine.reasoning  # admitted: the engine is loaded
+        output = ChatOutput(
+            tool_output(tools, body.tool_mode, state.engine.loaded.tool_format),
+            None if reasoning is None else ReasoningSplitter(reasoning, opens_reasoning_ids(reasoning, prompt_ids)),
+        )
+
+        def usage_of(end: End) -> dict:
+            return usage(end, None if reasoning is None else output.reasoning_tokens)
 
         def logprobs_of(piece: Generation) -> dict | None:
             if top is None:
                 return None
             return {"content": [chat_logprob(state, lp) for lp in piece.logprobs]}
 
+        def finish_reason(end: End) -> str:
+            natural = end.stop_reason is not StopReason.MAX_TOKENS
+            return "tool_calls" if output.called and natural else FINISH_REASONS[end.stop_reason]
+
         if body.stream:
 
-            def chunk(piece: Generation, finish: str | None) -> dict:
-                delta = {"content": "".join(piece.text)} if piece.text else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs_of(piece), "finish_reason": finish}
+            def chunk(piece: Generation, end: End | None) -> dict | None:
+                delta = ChatDelta()
+                for text, tokens in zip(piece.text, piece.tokens, strict=True):
+                    delta = delta.merged(output.feed(text, tokens))
+                if end is not None:
+                    delta = delta.merged(output.finish())
+                if not delta and end is None and top is None:
+                    return None
+                choice = {
+                    "index": 0,
+                    "delta": delta_json(delta),
+                    "logprobs": logprobs_of(piece),
+                    "finish_reason": None if end is None else finish_reason(end),
+                }
                 return {**base, "object": "chat.completion.chunk", "choices": [choice]}
 
             opening = {
@@ -157,23 +197,31 @@ def openai_router(state: WorkerState) -> APIRouter:
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 ],
             }
-            return sse_response(stream_chunks(job.events, chunk, body.include_usage, first=opening))
+            return sse_response(
+                stream_chunks(job.events, chunk, usage_of if body.include_usage else None, first=opening)
+            )
         generation = await collect(job.events, http_request)
         end = generation.end
+        message = output.message(list(zip(generation.text, generation.tokens, strict=True)))
+        reply: dict = {"role": "assistant", "content": message.content}
+        if reasoning is not None:
+            reply["reasoning_content"] = message.reasoning
+        if message.tool_calls:
+            reply["tool_calls"] = [call_json(call) for call in message.tool_calls]
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(generation.text)},
+            "message": reply,
             "logprobs": logprobs_of(generation),
-            "finish_reason": FINISH_REASONS[end.stop_reason],
+            "finish_reason": finish_reason(end),
         }
-        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage(end)})
+        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage_of(end)})
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ensure_open(state)
         check_model(state, body.model)
         if body.messages is not None:
-            tokens = render_chat(state, body.messages, body.add_generation_prompt)
+            tokens = render_chat(state, [m.for_template() for m in body.messages], body.add_generation_prompt)
         else:
             tokens = state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
         context = state.engine.context_length
@@ -213,15 +261,15 @@ def openai_error(exc: AdmissionError | ApiError) -> JSONResponse:
     return exc.response()
 
 
-async def response_grammar(state: WorkerState, spec: GrammarSpec | None) -> CompiledGrammar | None:
-    """The response_format's grammar compiled for the model (None for text); a schema that does not compile is a 400
-    naming response_format."""
+async def response_grammar(state: WorkerState, spec: GrammarSpec | None, param: str) -> CompiledGrammar | None:
+    """The grammar of response_format or of a forced tool call compiled for the model (None: none); a schema that
+    does not compile is a 400 naming `param`."""
     if spec is None:
         return None
     try:
         return await compile_grammar(state, spec)
     except GrammarError as exc:
-        raise ApiError(400, f"response_format: {exc}", param="response_format") from None
+        raise ApiError(400, f"{param}: {exc}", param=param) from None
 
 
 def check_model(state: WorkerState, model: str | None) -> None:
@@ -255,12 +303,17 @@ def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_emp
     return tuple(ids)
 
 
-def render_chat(state: WorkerState, messages: list, add_generation_prompt: bool = True) -> tuple[int, ...]:
+def render_chat(
+    state: WorkerState,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[int, ...]:
     try:
-        return state.engine.tokenize_chat(
-            [{"role": m.role, "content": m.text} for m in messages], add_generation_prompt=add_generation_prompt
-        )
-    except (TemplateError, ValueError) as exc:  # e.g. a template that demands alternating user/assistant turns
+        return state.engine.tokenize_chat(messages, add_generation_prompt, tools, template_kwargs)
+    # e.g. a template that demands alternating user/assistant turns, or adds text to a missing content (TypeError)
+    except (TemplateError, ValueError, TypeError) as exc:
         raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
 
 
@@ -319,6 +372,7 @@ async def collect(events: AsyncIterator[Event], http_request: Request) -> Genera
         async for event in events:
             if isinstance(event, Token):
                 generation.text.append(event.text)
+                generation.tokens.append(len(event.token_ids))
                 generation.logprobs.extend(event.logprobs)
             elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
                 generation.end = event
@@ -343,15 +397,16 @@ async def collect(events: AsyncIterator[Event], http_request: Request) -> Genera
 
 async def stream_chunks(
     events: AsyncIterator[Event],
-    chunk: Callable[[Generation, str | None], dict],
-    include_usage: bool,
+    chunk: Callable[[Generation, End | None], dict | None],
+    usage_of: Callable[[End], dict] | None,
     first: dict | None,
 ) -> AsyncIterator[str]:
-    """SSE chunks: one per piece of text (with the logprobs of its tokens), the finish reason, the usage if asked
-    for, then [DONE]. Leaving early (the client disconnected) cancels the job."""
+    """SSE chunks: one per piece of text (with the logprobs of its tokens; `chunk` gives None for a piece with
+    nothing to send yet), the last one with the finish reason, the usage if asked for, then [DONE]. Leaving early
+    (the client disconnected) cancels the job."""
 
     def line(payload: dict) -> str:
-        if include_usage:  # then every chunk has `usage`: null but the last one, as OpenAI's
+        if usage_of is not None:  # then every chunk has `usage`: null but the last one, as OpenAI's
             payload = {**payload, "usage": payload.get("usage")}
         return sse_data(payload)
 
@@ -362,14 +417,18 @@ async def stream_chunks(
         async for event in events:
             if isinstance(event, Token):
                 pending.text.append(event.text)
+                pending.tokens.append(len(event.token_ids))
                 pending.logprobs.extend(event.logprobs)
                 if text := "".join(pending.text):
-                    yield line(chunk(pending, None))
+                    if (payload := chunk(pending, None)) is not None:
+                        yield line(payload)
                     pending = Generation(offset=pending.offset + len(text))
             elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
-                yield line(chunk(pending, FINISH_REASONS[event.stop_reason]))
-                if include_usage:
-                    yield line({**chunk(Generation(), None), "choices": [], "usage": usage(event)})
+                last = chunk(pending, event)
+                assert last is not None  # the last piece always goes out: it carries the finish reason
+                yield line(last)
+                if usage_of is not None:
+                    yield line({**last, "choices": [], "usage": usage_of(event)})
             elif isinstance(event, End | Error):
                 yield f"data: {json.dumps(terminal_error(event).body())}\n\n"
         yield "data: [DONE]\n\n"
@@ -381,14 +440,43 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def usage(end: End) -> dict:
-    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens found in the prefix cache."""
-    return {
+def usage(end: End, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens found in the prefix cache;
+    `completion_tokens_details.reasoning_tokens` for a reasoning model's chat."""
+    counts: dict[str, Any] = {
         "prompt_tokens": end.prompt_tokens,
         "completion_tokens": end.tokens_out,
         "total_tokens": end.prompt_tokens + end.tokens_out,
         "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
     }
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
+
+
+def delta_json(delta: ChatDelta) -> dict:
+    """A chunk's delta: its content, and its tool-call pieces as OpenAI streams them (a call's first piece has its
+    id, type and name; every piece a part of its arguments' text)."""
+    payload: dict[str, Any] = {"content": delta.content} if delta.content else {}
+    if delta.reasoning:
+        payload["reasoning_content"] = delta.reasoning
+    if delta.calls:
+        payload["tool_calls"] = [
+            {"index": c.index, "function": {"arguments": c.arguments}}
+            if c.id is None
+            else {
+                "index": c.index,
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in delta.calls
+        ]
+    return payload
+
+
+def call_json(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def floor(logprob: float) -> float:

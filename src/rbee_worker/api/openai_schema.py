@@ -3,7 +3,7 @@ requests with them and publishes them in the OpenAPI document.
 
 Types are strict (pydantic's strict mode): `false` is not the number 0 and "1" is not 1, as JSON Schema says; an
 integer is still a valid float. Unknown request fields are ignored, as OpenAI-compatible servers do; fields that ask
-for something this worker does not do (n > 1, tools, logit_bias, echo, suffix) are refused with a message that says
+for something this worker does not do (n > 1, logit_bias, echo, suffix) are refused with a message that says
 so, never ignored.
 """
 
@@ -155,18 +155,77 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made (tool messages answer it by its id)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, and calls and ids where it has them."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="as OpenAI's: letters, digits, _ and -, up to 64")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments; omitted: none")
+    strict: bool | None = Field(None, description="accepted; forced calls always follow the schema")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -175,15 +234,52 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none: text only; auto (the default with tools): the model decides; required: at least one "
+        "call; a named function: a call to it (required and named calls follow the parameters' schemas)",
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='extension (as vLLM\'s): variables for the chat template, e.g. {"enable_thinking": false}'
+    )
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported")
+    def _checked(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: each function needs a name of its own")
+        if self.tool_choice is not None and self.tool_choice != "none" and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not one of the tools")
+        if self.forced_tool is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("a forced tool_choice cannot go with a JSON response_format: the call is the output")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or the name of the function the output must call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """required, or the function named: the tool_choice that constrains the output; None otherwise."""
+        return self.tool_mode if self.tool_mode not in ("none", "auto") else None
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the grammar take them; None when the output may call none."""
+        if self.tool_mode == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
     @property
     def token_limit(self) -> int | None:
@@ -197,11 +293,18 @@ class PromptTokensDetails(BaseModel):
     )
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="the tokens of the reasoning (its tags included)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int  # generated tokens, the end-of-sequence token excluded
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="a reasoning model's chat completions only"
+    )
 
 
 FinishReason = Literal["stop", "length"]
@@ -246,16 +349,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the message is only tool calls")
+    reasoning_content: str | None = Field(
+        None, description="a reasoning model's thinking (its <think> part), apart from content; null when none"
+    )
+    tool_calls: list[ResponseToolCall] | None = Field(None, description="present when the model called tools")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: FinishReason | Literal["tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

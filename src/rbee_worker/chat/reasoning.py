@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rbee_worker.chat.pieces import held_suffix
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -99,7 +101,7 @@ class ReasoningSplitter:
                     self._held = after
                     self._state = self._CONTENT
                 else:
-                    keep = _tag_prefix_at_end(self._held, self._fmt.end)
+                    keep = held_suffix(self._held, self._fmt.end)
                     reasoning.append(self._held[: len(self._held) - keep])
                     self._held = self._held[len(self._held) - keep :]
                     break
@@ -113,12 +115,3 @@ class ReasoningSplitter:
         """The output has ended: the (reasoning, content) text still held back, as what it is now."""
         held, self._held = self._held, ""
         return (held, "") if self._state == self._REASONING else ("", held)
-
-
-def _tag_prefix_at_end(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (shorter than the tag): text that the next piece may
-    complete into the tag."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -134,13 +135,19 @@ class Engine:
         """LoadedModel.tokenize, once the model is loaded."""
         return self.loaded.tokenize(text, add_special_tokens)
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """LoadedModel.chat_prompt, once the model is loaded."""
         return self.loaded.chat_prompt(messages, add_generation_prompt)
 
-    def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[int, ...]:
         """LoadedModel.tokenize_chat, once the model is loaded."""
-        return self.loaded.tokenize_chat(messages, add_generation_prompt)
+        return self.loaded.tokenize_chat(messages, add_generation_prompt, tools, template_kwargs)
 
     def detokenize(self, token_ids: tuple[int, ...]) -> str:
         return self.loaded.tokenizer.decode(token_ids)

@@ -1,12 +1,15 @@
 """What a loader hands to the engine: the model, its tokenizer, and measured facts about it."""
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from rbee_worker.chat.tool_prompt import TemplateCaps, probe_caps, template_messages
+from rbee_worker.chat.tools import ToolFormat, tool_format
 from rbee_worker.devices import tensor_bytes
 
 if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
@@ -38,14 +41,53 @@ class LoadedModel:
         """Token ids of a raw prompt, exactly as the model's tokenizer makes them (BOS as its settings say)."""
         return tuple(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text the model's chat template renders (transformers' apply_chat_template), by default ending
-        with the assistant turn's header. Raises ValueError when the model has no template, or a template error."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        with the assistant turn's header; tools, calls and tool results it cannot render itself are rewritten
+        (chat/tool_prompt.py); `template_kwargs` are variables for the template (enable_thinking, say). Raises
+        ValueError when the model has no template, or a template error."""
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages, tools = template_messages(messages, tools, self.template_caps)
+        return self._render(messages, tools, add_generation_prompt, **(template_kwargs or {}))
 
-    def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[int, ...]:
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[int, ...]:
         # The template writes BOS and the other special tokens itself, so none are added again.
-        return self.tokenize(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
+        prompt = self.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)
+        return self.tokenize(prompt, add_special_tokens=False)
+
+    @functools.cached_property
+    def template_caps(self) -> TemplateCaps:
+        """What the chat template renders of tools, calls and tool results itself (probed once)."""
+        return probe_caps(lambda messages, tools: self._render(messages, tools, False))
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """The format the model writes tool calls in (Hermes where its template teaches none)."""
+        template = self.tokenizer.chat_template
+        return tool_format(template if isinstance(template, str) else None)
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        **template_kwargs: Any,
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+        )
 
 
 def context_length_of(config) -> int:
