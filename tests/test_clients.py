@@ -1,0 +1,74 @@
+"""Client libraries, unmodified, against a real worker on the demo model: LangChain's ChatOpenAI with structured
+output. Nothing but the worker may be reached: a client that needed the network (tiktoken's encodings, tracing) would
+fail where the worker runs offline."""
+
+import ipaddress
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_openai import ChatOpenAI
+from serving import DEMO_NAME, Worker, running
+from test_structured_output import BEE_ASK, BEE_MAX_TOKENS, HOT, Bee
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """torch's runtime only: the grammar is the same on both runtimes (test_structured_output.py runs the openai client
+    on each); what is tested here is the client's side."""
+    with running(tmp_path_factory.mktemp("clients"), "--runtime", "torch") as worker:
+        yield worker
+
+
+def is_loopback(host: Any) -> bool:
+    if host in ("localhost", None):
+        return True
+    try:
+        return ipaddress.ip_address(str(host).split("%")[0]).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
+@pytest.fixture
+def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Refuse every name lookup and connection beyond this machine, and record them: a client that swallows the
+    error in a background thread (LangSmith's tracing does) still fails the test. A developer's own tracing
+    settings are dropped for the test, which is about what the client needs."""
+    for name in ("LANGSMITH_TRACING", "LANGCHAIN_TRACING_V2", "LANGCHAIN_TRACING"):
+        monkeypatch.delenv(name, raising=False)
+    reached: list[Any] = []
+    getaddrinfo, connect = socket.getaddrinfo, socket.socket.connect
+
+    def guarded_getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_loopback(host.decode() if isinstance(host, bytes) else host):
+            reached.append(host)
+            raise OSError(f"the test refuses looking up {host!r}")
+        return getaddrinfo(host, *args, **kwargs)
+
+    def guarded_connect(sock: socket.socket, address: Any) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not is_loopback(address[0]):
+            reached.append(address)
+            raise OSError(f"the test refuses connecting to {address!r}")
+        connect(sock, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", guarded_getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+    yield reached
+    assert not reached, f"the client reached beyond the worker: {reached}"
+
+
+@pytest.mark.slow
+def test_langchain_structured_output_is_a_validated_model(worker: Worker, loopback_only: list[Any]) -> None:
+    chat = ChatOpenAI(
+        base_url=f"{worker.url}/v1",
+        api_key="unused",
+        model=DEMO_NAME,
+        temperature=HOT,
+        seed=5,
+        max_tokens=BEE_MAX_TOKENS,
+        max_retries=0,
+        timeout=120,
+    )
+    bee = chat.with_structured_output(Bee, method="json_schema").invoke(BEE_ASK)
+    assert isinstance(bee, Bee)  # LangChain parses the reply into the model: pydantic has validated every field
