@@ -1,6 +1,6 @@
 """Client libraries, unmodified, against a real worker on the demo model: LangChain's ChatOpenAI with structured
-output. Nothing but the worker may be reached: a client that needed the network (tiktoken's encodings, tracing) would
-fail where the worker runs offline."""
+output and with tools bound. Nothing but the worker may be reached: a client that needed the network (tiktoken's
+encodings, tracing) would fail where the worker runs offline."""
 
 import ipaddress
 import socket
@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
 from serving import DEMO_NAME, Worker, running
 from test_structured_output import BEE_ASK, BEE_MAX_TOKENS, HOT, Bee
 
@@ -58,17 +60,48 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     assert not reached, f"the client reached beyond the worker: {reached}"
 
 
-@pytest.mark.slow
-def test_langchain_structured_output_is_a_validated_model(worker: Worker, loopback_only: list[Any]) -> None:
-    chat = ChatOpenAI(
+def chat_model(worker: Worker, max_tokens: int) -> ChatOpenAI:
+    return ChatOpenAI(
         base_url=f"{worker.url}/v1",
         api_key="unused",
         model=DEMO_NAME,
         temperature=HOT,
         seed=5,
-        max_tokens=BEE_MAX_TOKENS,
+        max_tokens=max_tokens,
         max_retries=0,
         timeout=120,
     )
-    bee = chat.with_structured_output(Bee, method="json_schema").invoke(BEE_ASK)
+
+
+class GetWeather(BaseModel):
+    """The weather forecast for a city."""
+
+    city: str = Field(pattern=r"^[A-Z][a-z]{2,11}$")
+    days: int = Field(ge=1, le=7)
+
+
+class AddNumbers(BaseModel):
+    """Add two integers."""
+
+    a: int
+    b: int
+
+
+@pytest.mark.slow
+def test_langchain_bound_tools_give_validated_tool_calls(worker: Worker, loopback_only: list[Any]) -> None:
+    """bind_tools with a named tool_choice and with "any" (OpenAI's required): each reply is an AIMessage whose
+    tool_calls LangChain has parsed, arguments that validate against the tool's model."""
+    ask = "What is the weather in Oslo for the next two days?"
+    for choice, expected in (("GetWeather", {"GetWeather"}), ("any", {"GetWeather", "AddNumbers"})):
+        model = chat_model(worker, 100).bind_tools([GetWeather, AddNumbers], tool_choice=choice)
+        reply = model.invoke(ask)
+        assert isinstance(reply, AIMessage) and len(reply.tool_calls) >= 1, reply
+        for call in reply.tool_calls:
+            assert call["name"] in expected and call["id"], call
+            {"GetWeather": GetWeather, "AddNumbers": AddNumbers}[call["name"]].model_validate(call["args"])
+
+
+@pytest.mark.slow
+def test_langchain_structured_output_is_a_validated_model(worker: Worker, loopback_only: list[Any]) -> None:
+    bee = chat_model(worker, BEE_MAX_TOKENS).with_structured_output(Bee, method="json_schema").invoke(BEE_ASK)
     assert isinstance(bee, Bee)  # LangChain parses the reply into the model: pydantic has validated every field

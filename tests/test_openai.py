@@ -175,7 +175,7 @@ def test_logprobs_shapes(client: openai.OpenAI) -> None:
         ({"max_tokens": 100_000}, "maximum context length"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ],
 )

@@ -238,8 +238,9 @@ class NamedCall:
 
 
 class RequiredCalls:
-    """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects, read once complete. An
-    output cut short (max_tokens) that is no whole array is content, as written."""
+    """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects, read once it ends. When
+    max_tokens cuts it short, its whole objects are the calls (the grammar has made each valid; finish_reason says
+    `length`); an output with no whole object is content, as written."""
 
     def __init__(self) -> None:
         self._text = ""
@@ -249,11 +250,17 @@ class RequiredCalls:
         return Piece()
 
     def finish(self) -> Piece:
-        try:
-            values = json.loads(self._text)
-        except ValueError:
-            return Piece(content=self._text)
-        calls = [output_call(value) for value in values] if isinstance(values, list) else [None]
+        decoder, values, at = json.JSONDecoder(), [], 1
+        if self._text.startswith("["):
+            while at < len(self._text) and self._text[at] != "]":
+                try:
+                    value, at = decoder.raw_decode(self._text, at)
+                except ValueError:
+                    break
+                values.append(value)
+                while at < len(self._text) and self._text[at] in ", ":
+                    at += 1
+        calls = [output_call(value) for value in values]
         if not calls or None in calls:
             return Piece(content=self._text)
         return Piece(calls=[CallDelta(i, c.arguments, c.id, c.name) for i, c in enumerate(calls) if c is not None])

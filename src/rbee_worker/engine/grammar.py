@@ -239,16 +239,21 @@ def tokenizer_info(
 ) -> "xgrammar.TokenizerInfo":
     """xgrammar's view of the tokenizer, `vocab_size` tokens wide (the logits' width: ids past the tokenizer's are
     never allowed): its special tokens but `stop_ids` emptied (never allowed, see the module docstring), `stop_ids`
-    the stop tokens."""
+    the stop tokens, and every token whose text holds a control character (U+0000-U+001F) emptied too. The JSON these
+    grammars write has no whitespace but spaces and such characters never appear raw in it, yet xgrammar 0.2.9
+    admits them inside a string with a length bound (mlc-ai/xgrammar#800), which would make text no JSON parser
+    reads."""
     import xgrammar
 
     stops = sorted(stop_ids) or None  # None: xgrammar finds the tokenizer's own
     detected = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
     special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     hidden = (special | set(tokenizer.all_special_ids)) - stop_ids
+    ids = [(token, i) for token, i in tokenizer.get_vocab().items() if i < vocab_size and i not in hidden]
+    texts = tokenizer.batch_decode([[i] for _, i in ids])
     vocab = [""] * vocab_size
-    for token, i in tokenizer.get_vocab().items():
-        if i < vocab_size and i not in hidden:
+    for (token, i), text in zip(ids, texts, strict=True):
+        if not any(character < " " for character in text):
             vocab[i] = token
     return xgrammar.TokenizerInfo(
         vocab,
