@@ -55,7 +55,8 @@ def test_refusals_and_results_by_vllms_labels(http: httpx.Client) -> None:
             http.post("/execute", json={"job_id": uuid.uuid4().hex, "prompt": PROMPT}),
             http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}),
         ]
-        assert [(r.status_code, r.headers["retry-after"]) for r in busy] == [(503, "1"), (503, "1")]
+        refusals = [(r.status_code, r.headers.get("retry-after")) for r in busy]
+        assert refusals == [(503, "1"), (503, "1")], ([r.text for r in busy], http.get("/health").text)
     wait_idle(http)  # the client left: its job is cancelled (finished_reason abort)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=0)
