@@ -264,6 +264,20 @@ def build_parser() -> Parser:
         metavar="SECONDS",
         help="cancel a /v1/inference job whose stream is not opened this long (default 60)",
     )
+    parallel = serve.add_argument_group("tensor parallelism")
+    parallel.add_argument(
+        "--tensor-parallel",
+        "--tp",
+        dest="tensor_parallel",
+        type=bounded(int, 1),
+        default=1,
+        metavar="N",
+        help="split the model over N processes that this one starts (default 1: none), joined by torch.distributed: "
+        "attention heads, key/value heads and the MLP are split, each an N-th on each process (N must divide them). "
+        "This version runs on the CPU (gloo; each process gets the physical cores / N threads unless --threads is "
+        "given), on the torch runtime, with float weights only; CUDA (NCCL, cuda:0..N-1) is untested, CUDA graphs "
+        "and --compile are off",
+    )
     http = serve.add_argument_group("HTTP and pool manager")
     http.add_argument("--worker-id", help="default: <host name>-<port>")
     http.add_argument("--model-ref", help="the model name reported to clients (default: the model's own name)")
@@ -407,6 +421,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     check_runtime(args.runtime, placement.device)
+    if args.tensor_parallel > 1:
+        check_tensor_parallel(args, placement)
     runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
     config = WorkerConfig(
         engine=engine_config(args, placement),
@@ -429,6 +445,9 @@ def run_serve(args: argparse.Namespace) -> int:
         callback_timeout_s=args.callback_timeout,
         heartbeat_url=args.heartbeat_url,
         heartbeat_interval_s=args.heartbeat_interval,
+        tensor_parallel=args.tensor_parallel,
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
     serve(config, sock)
     # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
@@ -436,10 +455,43 @@ def run_serve(args: argparse.Namespace) -> int:
     exit_at_once(0)
 
 
+def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> None:
+    """--tensor-parallel N with what this version cannot split or run is a usage error, before any process starts:
+    a device other than the CPU or CUDA GPUs, --quantize int8/int4, --compile, and a model whose attention heads,
+    key/value heads or intermediate size do not divide by N (read from its config, without its weights)."""
+    from rbee_worker.models.tensor_parallel import check_divisible, read_model_config
+
+    world, device = args.tensor_parallel, placement.device
+    if device.type not in ("cpu", "cuda"):
+        fail(f"--tensor-parallel runs on the CPU or CUDA GPUs, not on {device}: use --device cpu", EXIT_USAGE)
+    if device.type == "cuda":
+        import torch
+
+        if (device.index or 0) + world > torch.cuda.device_count():
+            fail(f"--tensor-parallel {world} needs {world} GPUs from {device}: this machine has fewer", EXIT_USAGE)
+    if args.quantize in ("int8", "int4"):
+        fail(
+            f"--tensor-parallel splits float weights only in this version: --quantize {args.quantize} cannot go "
+            "with it; drop --quantize",
+            EXIT_USAGE,
+        )
+    if args.compile:
+        fail("--compile cannot go with --tensor-parallel in this version: drop --compile", EXIT_USAGE)
+    config, name = read_model_config(args.model)
+    check_divisible(config, world, name)  # a ModelLoadError: exit 2
+
+
 def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineConfig":
-    """The engine's settings from `serve`'s flags."""
+    """The engine's settings from `serve`'s flags; under --tensor-parallel N on a CPU, each process's threads are the
+    physical cores / N unless --threads is given."""
+    import psutil
+
     from rbee_worker.engine.config import EngineConfig
 
+    threads = args.threads
+    world = getattr(args, "tensor_parallel", 1)
+    if threads is None and world > 1 and placement.device.type == "cpu":
+        threads = max(1, (psutil.cpu_count(logical=False) or 1) // world)
     return EngineConfig(
         deterministic=args.deterministic,
         max_batch=args.max_batch,
@@ -449,7 +501,7 @@ def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineCo
         prefix_caching=args.prefix_cache,
         cuda_graphs=args.cuda_graphs,
         compile_model=compile_model(placement, args),
-        threads=args.threads,
+        threads=threads,
         reasoning_parser=args.reasoning_parser,
     )
 
@@ -487,6 +539,7 @@ def run_generate(args: argparse.Namespace) -> int:
 # runs.
 KEEPS_FILE_TYPES = "keeps the GGUF file's types"
 NO_TORCH_COMPILE = "runs nothing through torch.compile"
+ONE_PROCESS = "runs a model in one process (tensor parallelism runs on the torch runtime)"
 
 
 def torch_only_flags(args: argparse.Namespace) -> dict[str, str]:
@@ -500,6 +553,8 @@ def torch_only_flags(args: argparse.Namespace) -> dict[str, str]:
         given[f"--quantize {args.quantize}"] = KEEPS_FILE_TYPES
     if getattr(args, "compile", None):  # a `serve` flag
         given["--compile"] = NO_TORCH_COMPILE
+    if getattr(args, "tensor_parallel", 1) > 1:  # a `serve` flag
+        given[f"--tensor-parallel {args.tensor_parallel}"] = ONE_PROCESS
     return given
 
 
@@ -541,6 +596,10 @@ def quantize_for(args: argparse.Namespace, placement: "Placement") -> str:
     from rbee_worker.models.dequant import KERNEL_DTYPE
     from rbee_worker.models.loader import names_gguf
 
+    if args.quantize == "auto" and getattr(args, "tensor_parallel", 1) > 1:
+        if names_gguf(args.model):
+            log.info("quantize: none, because --tensor-parallel splits float weights only in this version")
+        return "none"
     if args.quantize != "auto" or args.dtype == "auto" or placement.dtype == KERNEL_DTYPE:
         return args.quantize
     if names_gguf(args.model):

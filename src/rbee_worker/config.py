@@ -33,3 +33,7 @@ class WorkerConfig:
     callback_timeout_s: float
     heartbeat_url: str | None
     heartbeat_interval_s: float
+    # Tensor parallelism: the model split over this many processes (engine/tensor_parallel.py); their logs as rank 0.
+    tensor_parallel: int = 1
+    log_level: str = "info"
+    log_format: str | None = None

@@ -7,11 +7,13 @@ import json
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from http import HTTPStatus
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -30,16 +32,20 @@ from rbee_worker.api.native import native_router
 from rbee_worker.api.openai import openai_router
 from rbee_worker.api.state import WorkerState
 from rbee_worker.api.validation import json_error_message
-from rbee_worker.cli import exit_at_once
+from rbee_worker.cli import EXIT_FAILURE, exit_at_once
 from rbee_worker.config import WorkerConfig
 from rbee_worker.cpu_features import cpu_features
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.runner import DeviceFault
 from rbee_worker.errors import RegistrationError
 from rbee_worker.listener import advertised_url
+from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.loader import load_model
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_heartbeat, send_ready_callback
+
+if TYPE_CHECKING:  # torch.distributed, only under --tensor-parallel
+    from rbee_worker.engine.tensor_parallel import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ POLL_S = 0.05
 CANCELLED_STREAMS_GRACE_S = 5.0  # after a drain cancels what is left, how long its streams get to send the end
 SHUTDOWN_GRACE_S = 5.0  # then how long uvicorn waits for connections to close
 FAULT_STREAMS_GRACE_S = 3.0  # after a device fault, how long the failed requests' streams get to send their error
+RANK_FAULT_GRACE_S = 10.0  # after a tensor-parallel rank's exit, how long the engine gets to stop before the process
 
 
 def build_app(state: WorkerState, metrics: Metrics) -> FastAPI:
@@ -130,8 +137,9 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     worker_id = config.worker_id or f"{socket.gethostname()}-{port}"
     progress = LoadProgress()
     metrics = Metrics()
-    engine = Engine(
-        lambda: load_model(
+
+    def load() -> LoadedModel:
+        return load_model(
             config.model,
             config.placement,
             progress,
@@ -139,10 +147,14 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             config.chat_template,
             config.quantize,
             config.runtime,
-        ),
-        config.engine,
-        observer=metrics,
-    )
+        )
+
+    ranks = start_ranks(config) if config.tensor_parallel > 1 else None
+    if ranks is None:
+        engine = Engine(load, config.engine, observer=metrics)
+    else:
+        engine = Engine(lambda: ranks.load(load), config.engine, observer=metrics, runner=ranks.runner)
+        ranks.watch(lambda reason: rank_failed(engine, ranks, reason))
     state = WorkerState(engine=engine, worker_id=worker_id, config=config, progress=progress)
     metrics.watch(engine, lambda: state.model_name)
     app = build_app(state, metrics)
@@ -291,9 +303,46 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             runner.run(main())
     finally:
         progress.cancel()  # a load still running stops at its next tensor, so the engine thread can be joined
+        if ranks is not None:  # first: an engine step waiting on a rank that is gone then fails rather than hangs
+            ranks.close()
         engine.close()
     if failures:
         raise failures[0]
+
+
+def start_ranks(config: WorkerConfig) -> "Ranks":
+    """Under --tensor-parallel N: ranks 1..N-1 started now (engine/tensor_parallel.py), so that they load while this
+    process, rank 0, loads."""
+    from rbee_worker.engine.tensor_parallel import Ranks
+
+    return Ranks(
+        config.tensor_parallel,
+        config.placement,
+        config.model,
+        config.quantize,
+        config.max_context,
+        config.engine.threads,
+        config.log_level,
+        config.log_format,
+    )
+
+
+def rank_failed(engine: Engine, ranks: "Ranks", reason: str) -> None:
+    """A tensor-parallel rank has exited (called from Ranks' watcher thread): once the model is loaded, the engine
+    fails like a device (every request ends with an error, /health 503 `unhealthy`, the worker exits 1 within
+    seconds); while it loads, or if the engine does not stop in RANK_FAULT_GRACE_S, the worker exits 1 at once,
+    since rank 0 may be waiting on the lost rank in a collective."""
+    if engine.load_finished:
+        engine.fail(reason)
+        deadline = time.monotonic() + RANK_FAULT_GRACE_S
+        while engine.fault is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if engine.fault is not None:
+            return
+    log.error("the worker stops: %s", reason)
+    print(f"error: the worker stops: {reason}", file=sys.stderr, flush=True)
+    ranks.close(0)
+    exit_at_once(EXIT_FAILURE)
 
 
 async def build_route_tables(app: FastAPI) -> None:

@@ -86,7 +86,7 @@ class Engine:
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
-        self._inbox: queue.SimpleQueue[Sequence | str | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Sequence | str | DeviceFault | None] = queue.SimpleQueue()
         self._in_flight: set[str] = set()  # ids submitted and not yet ended: inbox, running and waiting requests
         self._in_flight_lock = threading.Lock()
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
@@ -283,6 +283,12 @@ class Engine:
         """Stop a request between two steps; it ends with stop reason CANCELLED. Unknown ids are ignored."""
         self._inbox.put(request_id)
 
+    def fail(self, reason: str) -> None:
+        """From any thread: the device is unusable for a reason found outside the engine's steps (a rank of a
+        tensor-parallel worker has died); the engine thread stops at its next round as after a DeviceFault in a step,
+        even while idle."""
+        self._inbox.put(DeviceFault(reason))
+
     def cancel_all(self) -> None:
         """Cancel every request in flight (each ends CANCELLED)."""
         with self._in_flight_lock:
@@ -450,6 +456,8 @@ class Engine:
             block = False
             if item is None:
                 return False
+            if isinstance(item, DeviceFault):
+                raise item
             if isinstance(item, str):
                 # Ended here rather than at its next step: its KV blocks are freed and its id can be reused at once.
                 if sequence := self._scheduler.get(item):

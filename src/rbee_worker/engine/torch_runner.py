@@ -58,7 +58,9 @@ class TorchRunner:
     # Prompt chunks and decode rows run as separate forwards: the rows of one forward are padded to one width.
     capabilities = Capabilities(mixed_batches=False)
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv: KvGeometry | None = None) -> None:
+        """`kv`: the KV block pool's geometry where it is decided elsewhere (tensor parallelism: rank 0's, so that every
+        rank holds the same blocks); None: sized here (size_pool)."""
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -71,7 +73,7 @@ class TorchRunner:
         self.device = loaded.info.device
         self.dtype = loaded.info.dtype
         self.cache_kwarg = cache_kwarg(loaded.model)
-        self.kv = self._size_pool(loaded)
+        self.kv = kv or size_pool(loaded, config)
         self.cache = PagedCache(loaded.model.config, self.kv, config.max_batch, self.dtype, self.device)
         self.vocab_size = loaded.model.get_output_embeddings().out_features  # the logits' width
         self.sampling = RowSampling(config.max_batch, self.vocab_size, self.device)
@@ -258,14 +260,6 @@ class TorchRunner:
 
     # -- preparation -----------------------------------------------------------------------------------------------
 
-    def _size_pool(self, loaded: LoadedModel) -> KvGeometry:
-        """The KV block pool within the memory budget: --kv-cache-gb, or what the device has left (rows.kv_budget;
-        on a CPU touched only as it fills: see PagedCache)."""
-        info = loaded.info
-        budget = self.config.kv_cache_bytes if self.config.kv_cache_bytes is not None else kv_budget(info.device)
-        per_token = kv_bytes_per_token(loaded.model.config, info.dtype)
-        return kv_pool(info.context_length, per_token, self.config.block_size, budget, self.config.max_batch)
-
     def _prepare_forward(self) -> None:
         """Before the worker reports ready: with --compile, the forward through torch.compile (see compiled.py), run
         once for each class of shapes so that no request waits for a compilation; on a GPU, every decode graph and
@@ -349,6 +343,16 @@ class TorchRunner:
         }
         for features in stages:
             sample(logits, self.state, rows, live, features)
+
+
+def size_pool(loaded: LoadedModel, config: EngineConfig) -> KvGeometry:
+    """The KV block pool within the memory budget: --kv-cache-gb, or what the device has left (rows.kv_budget;
+    on a CPU touched only as it fills: see PagedCache). Sized from the model's config, whose key/value heads are a
+    tensor-parallel rank's own (models/tensor_parallel.py)."""
+    info = loaded.info
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else kv_budget(info.device)
+    per_token = kv_bytes_per_token(loaded.model.config, info.dtype)
+    return kv_pool(info.context_length, per_token, config.block_size, budget, config.max_batch)
 
 
 def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
