@@ -202,7 +202,7 @@ def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-tp") / "llama", "llama", demo_tokenizer_dir)
 
 
-@pytest.mark.parametrize("killed", ["rank 1 idle", "rank 1 generating", "rank 0"])
+@pytest.mark.parametrize("killed", ["rank 1 idle", "rank 1 generating", "rank 0", "SIGTERM to every rank"])
 def test_a_rank_that_dies_ends_the_whole_worker(tmp_path: Path, tiny_tp_model: Path, killed: str) -> None:
     worker = launch(tmp_path, "--model", str(tiny_tp_model), "--tensor-parallel", "2", "--device", "cpu")
     try:
@@ -210,6 +210,15 @@ def test_a_rank_that_dies_ends_the_whole_worker(tmp_path: Path, tiny_tp_model: P
         (rank1,) = rank_pids(worker.process.pid, 2)
         with httpx.Client(base_url=worker.url, timeout=60) as client:
             assert execute(client, prompt="hi", max_tokens=4).terminal["type"] == "end"
+            if killed == "SIGTERM to every rank":  # as a supervisor stopping the process group: rank 0 drains
+                os.kill(rank1, signal.SIGTERM)
+                worker.process.send_signal(signal.SIGTERM)
+                assert worker.process.wait(timeout=30) == 0, worker.stderr()
+                deadline = time.monotonic() + 10
+                while not gone(rank1) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert gone(rank1), "rank 1 outlived rank 0"
+                return
             if killed == "rank 0":
                 worker.process.kill()
                 worker.process.wait(timeout=10)

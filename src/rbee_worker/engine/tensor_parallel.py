@@ -1,6 +1,7 @@
 """Tensor parallelism's processes and rank 0's runner: one `serve` runs a model split over N ranks
 (models/tensor_parallel.py), rank 0 in its own process (HTTP, the scheduler, the sampler) and ranks 1..N-1 in
-processes that it starts itself (engine/tp_rank.py), joined by torch.distributed: gloo on CPUs, NCCL on CUDA GPUs.
+processes that it starts itself (engine/tp_rank.py, each with a FollowerRunner), joined by torch.distributed: gloo on
+CPUs, NCCL on CUDA GPUs.
 
 Every rank runs the same forwards over its shard in the same order, so that their all-reduces pair up: rank 0's
 runner (TensorParallelRunner: the Runner protocol of engine/runner.py around rank 0's own TorchRunner) sends each
@@ -330,6 +331,39 @@ class TensorParallelRunner:
 
     def close(self) -> None:
         self.local.close()
+
+
+class FollowerRunner(TorchRunner):
+    """A rank's runner beyond rank 0: rank 0's forwards over this rank's shard, through the decoder layers only. The
+    final norm, the LM head (replicated, so rank 0's logits are the same) and the sampler are rank 0's alone."""
+
+    def run(self, forward: Forward) -> None:
+        """Compute one of rank 0's forwards (its all-reduces pair with every other rank's)."""
+        if forward.prompts:
+            self.prompts(forward.prompts)
+        elif forward.decodes:
+            self.decodes(forward.decodes)
+
+    def prompts(self, rows: list[PromptRow]) -> None:
+        self._prompt_forward(rows)
+
+    def decodes(self, rows: list[DecodeRow]) -> None:
+        self._decode_step(rows)
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, **paged: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder layers' forward (what carries the all-reduces); the last position's hidden state of each row,
+        which nobody reads."""
+        output = self.model.get_decoder()(
+            input_ids=input_ids,
+            position_ids=position_ids.clamp(min=0),
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_kwarg: self.cache},
+            **paged,
+        )
+        return output.last_hidden_state[:, -1]
 
 
 def _free_port() -> int:

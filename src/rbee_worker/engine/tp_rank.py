@@ -5,7 +5,8 @@ It reads its RankSetup from stdin, joins the ranks' process group, loads the mod
 RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them) and runs each Forward that
 rank 0 sends down the pipe over its shard, until the pipe closes (rank 0 has stopped: this rank exits 0). It never
 samples and keeps no request state: rank 0 does. It exits too when its parent process is gone (killed, say) while it
-loads or computes, so that no rank outlives the worker, and it leaves Ctrl-C to rank 0, which drains.
+loads or computes, so that no rank outlives the worker. It ignores SIGINT and SIGTERM, which a terminal or a
+supervisor sends to every process of the group: rank 0 drains on them, then ends the other ranks.
 
 --rank and --world on the command line are for `ps` only; the setup on stdin is what counts.
 """
@@ -19,54 +20,22 @@ import threading
 import time
 from typing import BinaryIO
 
-import torch
-
-from rbee_worker.engine.runner import DecodeRow, PromptRow
-from rbee_worker.engine.tensor_parallel import Forward, RankSetup, RunnerSetup, join, load_shard
-from rbee_worker.engine.torch_runner import TorchRunner
-from rbee_worker.logs import configure_logging
-from rbee_worker.models.loader import load_model
-
 log = logging.getLogger("rbee_worker.tp_rank")
 
 PARENT_POLL_S = 0.25
 
 
-class FollowerRunner(TorchRunner):
-    """A rank's runner beyond rank 0: rank 0's forwards over this rank's shard, through the decoder layers only. The
-    final norm, the LM head (replicated, so rank 0's logits are the same) and the sampler are rank 0's alone."""
-
-    def run(self, forward: Forward) -> None:
-        """Compute one of rank 0's forwards (its all-reduces pair with every other rank's)."""
-        if forward.prompts:
-            self.prompts(forward.prompts)
-        elif forward.decodes:
-            self.decodes(forward.decodes)
-
-    def prompts(self, rows: list[PromptRow]) -> None:
-        self._prompt_forward(rows)
-
-    def decodes(self, rows: list[DecodeRow]) -> None:
-        self._decode_step(rows)
-
-    def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, **paged: torch.Tensor
-    ) -> torch.Tensor:
-        """The decoder layers' forward (what carries the all-reduces); the last position's hidden state of each row,
-        which nobody reads."""
-        output = self.model.get_decoder()(
-            input_ids=input_ids,
-            position_ids=position_ids.clamp(min=0),
-            attention_mask=mask,
-            use_cache=True,
-            **{self.cache_kwarg: self.cache},
-            **paged,
-        )
-        return output.last_hidden_state[:, -1]
-
-
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank: rank 0 drains, then ends us
+    # First, before the imports that take seconds: a terminal's Ctrl-C, or a supervisor's SIGTERM to the whole process
+    # group (systemd's default), reaches every rank; rank 0 drains, then closes this rank's pipe.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    import torch
+
+    from rbee_worker.engine.tensor_parallel import FollowerRunner, Forward, RankSetup, RunnerSetup, join, load_shard
+    from rbee_worker.logs import configure_logging
+    from rbee_worker.models.loader import load_model
+
     pipe = sys.stdin.buffer
     setup: RankSetup = pickle.load(pipe)
     # Rank 0 speaks for the worker; the other ranks say only what goes wrong (everything when debugging).
