@@ -175,9 +175,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         if body.stream:
 
             def chunk(piece: Generation, end: End | None) -> dict | None:
-                delta = ChatDelta()
-                for text, tokens in zip(piece.text, piece.tokens, strict=True):
-                    delta = delta.merged(output.feed(text, tokens))
+                delta = output.feed_pieces(list(zip(piece.text, piece.tokens, strict=True)))
                 if end is not None:
                     delta = delta.merged(output.finish())
                 if not delta and end is None and top is None:

@@ -49,6 +49,13 @@ class ChatOutput:
             self.reasoning_tokens += tokens
         return self._delta(reasoning, self._tools.feed(content) if self._tools else Piece(content=content))
 
+    def feed_pieces(self, pieces: list[tuple[str, int]]) -> ChatDelta:
+        """`feed` for each (text, tokens) piece, the deltas merged."""
+        merged = ChatDelta()
+        for text, tokens in pieces:
+            merged = merged.merged(self.feed(text, tokens))
+        return merged
+
     def finish(self) -> ChatDelta:
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
         if self._tools is None:
@@ -60,10 +67,7 @@ class ChatOutput:
     def message(self, pieces: list[tuple[str, int]]) -> ChatMessage:
         """The whole message of a generation's (text, tokens) pieces: content null when there is none beside the
         calls, reasoning null when there is none."""
-        whole = ChatDelta()
-        for text, tokens in pieces:
-            whole = whole.merged(self.feed(text, tokens))
-        whole = whole.merged(self.finish())
+        whole = self.feed_pieces(pieces).merged(self.finish())
         calls = merge_calls(whole.calls)
         content = None if calls and not whole.content.strip() else whole.content
         return ChatMessage(whole.reasoning or None, content, calls, self.reasoning_tokens)
