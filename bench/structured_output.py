@@ -1,17 +1,23 @@
 """What a JSON schema costs a stream: decode tokens/s of chat requests constrained by a schema against the same
 requests unconstrained, on one worker, through HTTP, greedy and sampled (temperature 0.7, top_p 0.9).
 
-Each round sends, one at a time and in alternation, an unconstrained request (`ignore_eos`: it decodes exactly
---max-tokens) and the same request with `response_format` json_schema (a list of --items objects with enums, an
-integer range, a bounded array, a string pattern and a nested object: it ends where its JSON does, at about the same
-length). With --streams N, N - 1 unconstrained requests run beside each measured one, and the measured rate is the
-unconstrained neighbours' (what one constrained row costs the rows beside it) against N unconstrained. Decode
-tokens/s: (completion tokens - 1) over the time from the first content chunk to the last. The grammar's compile time
-and the mask time per token come from /metrics. The ratio is the median constrained rate over the median
-unconstrained one.
+Each round sends, in alternation, unconstrained requests (`ignore_eos`: each decodes exactly --max-tokens) and the
+same requests with `response_format` json_schema (a list of --items objects with enums, an integer range, a bounded
+array, a string pattern and a nested object: it ends where its JSON does, at about the same length). Cases, for each
+count N in --streams:
+
+- `one` (N = 1): one request alone, constrained against unconstrained;
+- `beside` (N > 1): one request among N - 1 unconstrained ones; the measured rate is the unconstrained neighbours'
+  (what one constrained row costs the rows beside it) against N unconstrained;
+- `all` (N > 1): N constrained requests at once against N unconstrained.
+
+A rate is decode tokens/s of a request ((completion tokens - 1) over the time from its first content chunk to its
+last), averaged over the measured requests of a round; the ratio is the median constrained rate over --repeats rounds
+over the median unconstrained one. The grammar's compile time and the mask time per token come from /metrics.
 
     PYTHONPATH=src python bench/structured_output.py --model demo --device cpu --runtime llama.cpp
     PYTHONPATH=src python bench/structured_output.py --model demo --device cpu --runtime torch --streams 4
+    PYTHONPATH=src python bench/structured_output.py --model /tmp/m8b --device cuda --dtype bfloat16 --streams 1 64
 """
 
 import argparse
@@ -56,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--runtime", default="auto", help="the worker's --runtime")
-    parser.add_argument("--streams", type=int, default=1, help="requests at once (the measured one among them)")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1], help="requests at once (cases above)")
     parser.add_argument("--items", type=int, default=4, help="objects in the schema's list")
     parser.add_argument("--max-tokens", type=int, default=200, help="the unconstrained requests' length")
     parser.add_argument("--repeats", type=int, default=5)
@@ -91,17 +97,19 @@ async def timed(client: httpx.AsyncClient, body: dict) -> dict:
     return {"rate": (tokens - 1) / (last - first), "tokens": tokens, "finish": finish, "text": "".join(text)}
 
 
-async def round_of(url: str, bodies: dict[str, dict], streams: int) -> dict[str, float]:
-    """Each mode's measured rate: its request alone, or (streams > 1) the neighbours' mean rate beside it."""
+async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -> dict[str, float]:
+    """Each mode's measured rate in one round of a case (see the module docstring)."""
     rates = {}
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
         for mode, body in bodies.items():
-            neighbours = [bodies["unconstrained"]] * (streams - 1)
-            results = await asyncio.gather(*(timed(client, b) for b in [body, *neighbours]))
-            if results[0]["finish"] == "length" and mode == "json_schema":
-                raise SystemExit(f"error: the constrained output did not end within max_tokens: {results[0]['text']}")
-            rates[mode] = results[0]["rate"] if streams == 1 else statistics.mean(r["rate"] for r in results[1:])
+            batch = [body] * streams if case == "all" else [body, *[bodies["unconstrained"]] * (streams - 1)]
+            results = await asyncio.gather(*(timed(client, b) for b in batch))
+            constrained = results[:1] if case == "beside" else results
+            if mode == "json_schema" and (cut := next((r for r in constrained if r["finish"] == "length"), None)):
+                raise SystemExit(f"error: the constrained output did not end within max_tokens: {cut['text']}")
+            measured = results[1:] if case == "beside" else results
+            rates[mode] = statistics.mean(r["rate"] for r in measured)
             rates[f"{mode}_tokens"] = results[0]["tokens"]
     return rates
 
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
-        concurrency=[args.streams],
+        concurrency=args.streams,
         worker_flag=["--runtime", args.runtime, *args.worker_flag],
     )
     with tempfile.TemporaryDirectory() as work:
@@ -136,55 +144,70 @@ def main(argv: list[str] | None = None) -> int:
                 "args": vars(args) | {"out": str(args.out)},
             }
             format_ = {"type": "json_schema", "json_schema": {"name": "people", "schema": schema(args.items)}}
-            for traffic, sampling in SAMPLING.items():
-                common = {"model": model, "messages": [{"role": "user", "content": ASK}], **sampling}
-                bodies = {
-                    "unconstrained": {**common, "max_tokens": args.max_tokens, "ignore_eos": True},
-                    "json_schema": {**common, "max_tokens": 4 * args.max_tokens, "response_format": format_},
-                }
-                before = metrics(url)
-                asyncio.run(round_of(url, bodies, args.streams))  # warm-up: compiles the grammar, fills caches
-                compiled = metrics(url)
-                rounds = [asyncio.run(round_of(url, bodies, args.streams)) for _ in range(args.repeats)]
-                after = metrics(url)
-                masks = after["rbee:grammar_masks_total"] - compiled["rbee:grammar_masks_total"]
-                mask_s = after["rbee:grammar_mask_seconds_total"] - compiled["rbee:grammar_mask_seconds_total"]
-                plain = statistics.median(r["unconstrained"] for r in rounds)
-                constrained = statistics.median(r["json_schema"] for r in rounds)
-                result[traffic] = {
-                    "unconstrained_tok_s": plain,
-                    "json_schema_tok_s": constrained,
-                    "ratio": constrained / plain,
-                    "json_schema_tokens": statistics.median(r["json_schema_tokens"] for r in rounds),
-                    "compile_s": compiled["rbee:grammar_compile_seconds_total"]
-                    - before["rbee:grammar_compile_seconds_total"],
-                    "cache_hits": after["rbee:grammar_cache_hits_total"] - compiled["rbee:grammar_cache_hits_total"],
-                    "mask_us_per_token": 1e6 * mask_s / masks if masks else None,
-                    "rounds": rounds,
-                }
+            cases = [("one", 1)] if 1 in args.streams else []
+            cases += [(case, n) for n in args.streams if n > 1 for case in ("beside", "all")]
+            result["cases"] = [
+                {"case": case, "streams": n} | {traffic: measure(url, model, format_, sampling, case, n, args)
+                                                for traffic, sampling in SAMPLING.items()}
+                for case, n in cases
+            ]  # fmt: skip
         finally:
             process.terminate()
             process.wait(60)
     print_table(result, args)
     cpu = result["machine"]["gpu" if args.device.startswith("cuda") else "cpu"].split()[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.model.replace('/', '_')}_{args.device}_{runtime}_{cpu}_streams{args.streams}.json"
+    streams = "-".join(map(str, args.streams))
+    name = f"{Path(args.model).name}_{args.device}_{runtime}_{cpu}_streams{streams}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(f"saved {args.out / name}")
     return 0
 
 
+def measure(
+    url: str, model: str, format_: dict, sampling: dict, case: str, streams: int, args: argparse.Namespace
+) -> dict:
+    """One case under one kind of traffic: a warm-up round (compiles the grammar), then --repeats timed rounds."""
+    common = {"model": model, "messages": [{"role": "user", "content": ASK}], **sampling}
+    bodies = {
+        "unconstrained": {**common, "max_tokens": args.max_tokens, "ignore_eos": True},
+        "json_schema": {**common, "max_tokens": 4 * args.max_tokens, "response_format": format_},
+    }
+    before = metrics(url)
+    asyncio.run(round_of(url, bodies, case, streams))
+    compiled = metrics(url)
+    rounds = [asyncio.run(round_of(url, bodies, case, streams)) for _ in range(args.repeats)]
+    after = metrics(url)
+    masks = after["rbee:grammar_masks_total"] - compiled["rbee:grammar_masks_total"]
+    mask_s = after["rbee:grammar_mask_seconds_total"] - compiled["rbee:grammar_mask_seconds_total"]
+    plain = statistics.median(r["unconstrained"] for r in rounds)
+    constrained = statistics.median(r["json_schema"] for r in rounds)
+    return {
+        "unconstrained_tok_s": plain,
+        "json_schema_tok_s": constrained,
+        "ratio": constrained / plain,
+        "json_schema_tokens": statistics.median(r["json_schema_tokens"] for r in rounds),
+        "compile_s": compiled["rbee:grammar_compile_seconds_total"] - before["rbee:grammar_compile_seconds_total"],
+        "cache_hits": after["rbee:grammar_cache_hits_total"] - compiled["rbee:grammar_cache_hits_total"],
+        "mask_us_per_token": 1e6 * mask_s / masks if masks else None,
+        "rounds": rounds,
+    }
+
+
 def print_table(result: dict, args: argparse.Namespace) -> None:
-    print(f"\n{args.model} on {args.device} ({result['runtime']}), {result['machine']}, streams {args.streams}")
-    print("| traffic | unconstrained tok/s | json_schema tok/s | ratio | compile s | cache hits | mask us/token |")
-    print("|---|---|---|---|---|---|---|")
-    for traffic in SAMPLING:
-        row = result[traffic]
-        mask = row["mask_us_per_token"]
-        print(
-            f"| {traffic} | {row['unconstrained_tok_s']:.1f} | {row['json_schema_tok_s']:.1f} | {row['ratio']:.3f} "
-            f"| {row['compile_s']:.3f} | {row['cache_hits']:.0f} | {'-' if mask is None else f'{mask:.1f}'} |"
-        )
+    print(f"\n{args.model} on {args.device} ({result['runtime']}), {result['machine']}")
+    print("| case | streams | traffic | unconstrained tok/s | json_schema tok/s | ratio | compile s | cache hits |"
+          " mask us/token |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in result["cases"]:
+        for traffic in SAMPLING:
+            cell = row[traffic]
+            mask = cell["mask_us_per_token"]
+            print(
+                f"| {row['case']} | {row['streams']} | {traffic} | {cell['unconstrained_tok_s']:.1f} "
+                f"| {cell['json_schema_tok_s']:.1f} | {cell['ratio']:.3f} | {cell['compile_s']:.3f} "
+                f"| {cell['cache_hits']:.0f} | {'-' if mask is None else f'{mask:.1f}'} |"
+            )
 
 
 if __name__ == "__main__":

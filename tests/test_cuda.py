@@ -359,3 +359,64 @@ def test_decode_attention_kernel_matches_sdpa(
     lengths.copy_(torch.randint(0, span + 1, (rows,), device=CUDA, dtype=torch.int32))
     graph.replay()
     assert torch.equal(replayed, paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits))
+
+
+def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_graphs(random_llama: Path) -> None:
+    """Rows under a JSON schema's grammar beside free rows, greedy and sampled at temperature 1.0: the decode graphs
+    (captured before ready, the grammar's token mask applied inside them) give the tokens of an engine without graphs,
+    the constrained texts parse as JSON with the schema's keys, no graph is captured while serving, and steps still run
+    ahead (chained rows) beside the constrained ones. fp32, peaked logits."""
+    import json
+    import queue
+
+    from rbee_worker.engine.grammar import GrammarSpec
+    from rbee_worker.engine.types import End, Error
+
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "pets": {"type": "array", "items": {"enum": ["cat", "dog", "bee"]}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["name", "age", "pets"],
+    }
+    load = functools.partial(load_model, str(random_llama), Placement(CUDA, torch.float32))
+    engines = one_after_another(load, [EngineConfig(cuda_graphs=False), EngineConfig(cuda_graphs=True)])
+    graphs = engines[1]._runner.graphs
+    captured = set(graphs.graphs)
+    chained: list[list[bool]] = []
+    launch = graphs.launch
+    graphs.launch = lambda rows, features: chained.append([r.chained for r in rows]) or launch(rows, features)
+    outputs = []
+    try:
+        for engine in engines:
+            grammar = engine.grammars.compile(GrammarSpec.json_schema(person)).result()
+            prompt = engine.tokenize("Describe a person as JSON:")
+            hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+            requests = [
+                Request(prompt, max_tokens=120, sampling=hot, seed=11, grammar=grammar),
+                Request(prompt, max_tokens=60, sampling=cold),
+                Request(prompt, max_tokens=60, sampling=hot, seed=12),
+                Request(prompt, max_tokens=120, sampling=cold, grammar=grammar),
+            ]
+            streams = [queue.SimpleQueue() for _ in requests]
+            for request, events in zip(requests, streams, strict=True):
+                engine.submit(request, events.put)
+            texts = []
+            for events in streams:
+                text = ""
+                while not isinstance(event := events.get(timeout=300), End | Error):
+                    if isinstance(event, Token):
+                        text += event.text
+                assert isinstance(event, End), event
+                texts.append((text, event.stop_reason))
+            outputs.append(texts)
+    finally:
+        for engine in engines:
+            engine.close()
+    assert outputs[1] == outputs[0]
+    for text, reason in (outputs[1][0], outputs[1][3]):
+        assert sorted(json.loads(text)) == ["age", "name", "pets"] and reason == "EOS"
+    assert set(graphs.graphs) == captured
+    assert any(any(step) for step in chained)

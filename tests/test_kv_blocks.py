@@ -282,12 +282,15 @@ class KvReadingRunner:
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
 
-    def launch(self, decodes: list[DecodeRow]) -> Finished | Pending:
+    def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Finished | Pending:
         if self.kind != "async":
             return Finished(self.step([], decodes))
         self._maybe_fail()
         fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]
         return Pending([self._decode(r, t) for r, t in zip(decodes, fed, strict=True)])
+
+    def sample_held(self, launched: Finished | Pending) -> None:
+        pass
 
     def collect(self, launched: Finished | Pending) -> list[Sampled]:
         if not launched.ready:

@@ -63,6 +63,7 @@ class FakeRunner:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kind: str, kv_blocks: int | None) -> None:
         self.loaded, self.kind = loaded, kind
+        self.vocab_size = len(WORDS)
         self.capabilities = Capabilities(mixed_batches=kind == "mixed")
         self.block_size = config.block_size
         blocks = kv_blocks or 1 + config.max_batch * -(-CONTEXT // self.block_size)
@@ -73,12 +74,17 @@ class FakeRunner:
         self.chosen: dict[int, int] = {}  # row -> the token its latest row chose ("on the device")
         self.wrong: list[tuple[int, int, str]] = []  # (row, position fed, what was wrong)
         self.evicted: list[int] = []
-        self.calls = self.chained = 0
+        self.calls = self.chained = self.held_steps = 0
+        self.matchers: dict[int, FakeMatcher] = {}  # row -> its request's matcher (constrained rows)
+        self.prompt_length: dict[int, int] = {}
+        self.held: list[tuple[Pending, dict[int, int]]] = []  # steps launched with their sampling held
         self.fail_at: dict[int, Exception] = {}  # call number -> what it raises
         self.poisoned = False
 
     def assign(self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: object) -> None:
         self.stream[row], self.next[row] = list(prompt_ids), None
+        self.prompt_length[row] = len(prompt_ids)
+        self.matchers.pop(row, None)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
         return 0  # the block pool is the cache
@@ -104,13 +110,36 @@ class FakeRunner:
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
 
-    def launch(self, decodes: list[DecodeRow]) -> Finished | Pending:
+    def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Finished | Pending:
         if self.kind != "async":
             return Finished(self.step([], decodes))
         self._call()
         self.chained += sum(r.chained for r in decodes)
         fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]
-        return Pending([Sampled(self._decode(r, t), True, None) for r, t in zip(decodes, fed, strict=True)])
+        # The tokens each constrained row has chosen before this step: its mask must follow all of them when it draws.
+        drawn = {r.row: len(self.stream[r.row]) - self.prompt_length[r.row] for r in decodes if r.row in self.matchers}
+        step = Pending([Sampled(self._decode(r, t), True, None) for r, t in zip(decodes, fed, strict=True)])
+        if hold_sampling:
+            self.held.append((step, drawn))
+        else:
+            self._check_masks(drawn)
+        return step
+
+    def masks(self, rows: Sequence[tuple[int, "FakeMatcher"]]) -> None:
+        for row, matcher in rows:
+            self.matchers[row] = matcher
+            matcher.masked = len(matcher.accepted)
+
+    def sample_held(self, launched: Pending) -> None:
+        step, drawn = self.held.pop()
+        assert step is launched
+        self.held_steps += 1
+        self._check_masks(drawn)
+
+    def _check_masks(self, drawn: dict[int, int]) -> None:
+        for row, count in drawn.items():
+            if self.matchers[row].masked != count:
+                self.wrong.append((row, count, f"drawn under a mask after {self.matchers[row].masked} tokens"))
 
     def collect(self, launched: Finished | Pending) -> list[Sampled]:
         if not launched.ready:
@@ -164,6 +193,20 @@ class FakeRunner:
         if read != stream[: position + 1]:
             self.wrong.append((row, position, "its blocks do not hold its tokens"))
         return next_token(token, position)
+
+
+class FakeMatcher:
+    """A grammar that allows every token: what matters is when it is asked for a mask (`masked`: how many tokens it
+    had accepted then)."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+        self.masked = -1
+        self.terminated = False
+
+    def accept(self, token: int) -> bool:
+        self.accepted.append(token)
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -400,3 +443,30 @@ def test_an_exception_in_output_processing_is_an_internal_error_of_that_request(
         assert engine.fault is None and runner.wrong == []
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_constrained_row_draws_under_the_mask_of_all_its_tokens_while_steps_run_ahead(
+    loaded: LoadedModel, kind: str
+) -> None:
+    """Constrained requests beside free ones: each constrained draw happens under a mask filled after every earlier
+    token of its request; on the asynchronous runner their steps are still launched before the previous one is
+    collected (chained rows), with the sampling held until the masks are filled, and every request gets its own
+    tokens."""
+    engine, runner = start(loaded, kind)
+    engine.grammars.matcher = lambda *args: FakeMatcher()  # type: ignore[method-assign]
+    try:
+        batch = requests(3)
+        batch = [
+            Request(r.prompt_ids, max_tokens=12, request_id=r.request_id, grammar=object() if i != 1 else None)  # type: ignore[arg-type]
+            for i, r in enumerate(batch)
+        ]
+        received = run_together(engine, batch)
+    finally:
+        engine.close()
+    assert_own_tokens(received, batch)
+    assert runner.wrong == []
+    if kind == "async":
+        assert runner.held_steps > 0 and runner.chained > 0
+    else:
+        assert runner.held_steps == 0

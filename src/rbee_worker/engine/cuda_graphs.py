@@ -11,6 +11,7 @@ the chunk length to the next power of two, padded on the right. Graphs are captu
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -58,23 +59,41 @@ GRAPH_KINDS = [
 
 
 class LaunchedStep:
-    """A decode step on its way through the GPU: `result` waits for it."""
+    """A decode step on its way through the GPU: `result` waits for it. A step launched with its sampler held has
+    `sample` start the sampler (after the host has set the rows' masks)."""
 
-    def __init__(self, packed: torch.Tensor, done: torch.cuda.Event) -> None:
-        self._packed, self._done = packed, done
+    def __init__(self, packed: torch.Tensor, done: torch.cuda.Event, held: Callable[[], None] | None = None) -> None:
+        self._packed, self._done, self._held = packed, done, held
 
     def __len__(self) -> int:
         return self._packed.shape[0]
 
+    def sample(self) -> None:
+        assert self._held is not None, "the step's sampler was not held"
+        held, self._held = self._held, None
+        held()
+
     def result(self) -> list[list[float]]:
         """Each row's sampled outcome (sampler.pack's layout), copied to the host once the step has run."""
+        assert self._held is None, "the step's sampler is held: sample() first"
         self._done.synchronize()
         return self._packed.tolist()
 
 
+@dataclass(frozen=True)
+class StepGraphs:
+    """A decode step's graphs: the forward with the sampler after it, or (steps with the mask stage) the forward
+    alone and the sampler as a graph of its own, so that the host can set masks while the forward runs. `packed`:
+    the sampler's output (sampler.pack's layout), which each replay overwrites."""
+
+    forward: torch.cuda.CUDAGraph
+    sampler: torch.cuda.CUDAGraph | None
+    packed: torch.Tensor
+
+
 class DecodeGraphs:
     """Decode steps, each with the sampler after the forward, as graphs per (rows bucket, graph_features of the step's
-    sampler features)."""
+    sampler features): StepGraphs."""
 
     def __init__(
         self,
@@ -103,7 +122,7 @@ class DecodeGraphs:
         self.chosen = torch.zeros(max_rows + 1, dtype=torch.long, device=device)
         # Attention of a paged decode step reads no mask; the model classes want one: a constant of the right rank.
         self.mask = torch.zeros(max_rows, 1, 1, 1, dtype=dtype, device=device)
-        self.graphs: dict[tuple[int, SamplerFeatures], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, SamplerFeatures], StepGraphs] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self) -> None:
@@ -115,17 +134,20 @@ class DecodeGraphs:
     def captured(self, count: int, features: SamplerFeatures) -> bool:
         return (bucket(count, self.row_buckets), graph_features(features)) in self.graphs
 
-    def launch(self, rows: Sequence[DecodeRow], features: SamplerFeatures) -> LaunchedStep:
+    def launch(self, rows: Sequence[DecodeRow], features: SamplerFeatures, hold: bool = False) -> LaunchedStep:
         """Start one decode step over these rows (graph row i: rows[i]) without waiting for it. A chained row takes as
-        its token the one the previous step chose for its batch row, not its `token`. The sampler runs inside the
-        graph, so a step's result is each row's chosen token (and the logprobs asked for), one small copy to the
-        host; padding rows leave the sampler's state untouched.
+        its token the one the previous step chose for its batch row, not its `token`. The sampler runs on the device
+        after the forward, so a step's result is each row's chosen token (and the logprobs asked for), one small copy
+        to the host; padding rows leave the sampler's state untouched. With `hold` (a step with the mask stage), the
+        sampler starts at the returned step's `sample()`: masks set in between (SamplerState.set_mask, queued on the
+        same stream) are the ones it applies.
 
         A step whose graph is not captured yet is captured first, which runs the forward once and so overwrites the
         chosen tokens: chain only onto a step of a captured graph."""
         count = len(rows)
         width = bucket(count, self.row_buckets)
-        graph, packed = self._graph(width, graph_features(features))
+        graphs = self._graph(width, graph_features(features))
+        assert not hold or graphs.sampler is not None, "only a step with the mask stage holds its sampler"
         turn = self.launches % 2
         self.launches += 1
         size = self.cache.block_size
@@ -139,13 +161,20 @@ class DecodeGraphs:
         # The graph sets the new table entries itself: their blocks are zeroed here first (PagedCache.ensure_zeroed).
         self.cache.ensure_zeroed(int(host[BLOCK, :count].max()))
         self.inputs[:, :width].copy_(self.host_inputs[turn][:, :width], non_blocking=True)
-        graph.replay()
-        self.host_out[turn][:count].copy_(packed[:count], non_blocking=True)
-        self.done[turn].record()
+        graphs.forward.replay()
+
+        def sample() -> None:
+            if graphs.sampler is not None:
+                graphs.sampler.replay()
+            self.host_out[turn][:count].copy_(graphs.packed[:count], non_blocking=True)
+            self.done[turn].record()
+
+        if hold:
+            return LaunchedStep(self.host_out[turn][:count], self.done[turn], sample)
+        sample()
         return LaunchedStep(self.host_out[turn][:count], self.done[turn])
 
-    def _graph(self, rows: int, features: SamplerFeatures) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph and its packed sampler output (see launch)."""
+    def _graph(self, rows: int, features: SamplerFeatures) -> StepGraphs:
         key = (rows, features)
         if key in self.graphs:
             return self.graphs[key]
@@ -154,7 +183,7 @@ class DecodeGraphs:
         inputs[ROW].fill_(self.max_rows)  # while capturing every row is padding
         cache = self.cache
 
-        def step() -> torch.Tensor:
+        def forward() -> torch.Tensor:
             batch_rows, positions, lengths = inputs[ROW], inputs[POSITION, :, None], inputs[LENGTH]
             cache.tables[batch_rows, inputs[TABLE_INDEX]] = inputs[BLOCK]
             tokens = torch.where(inputs[CHAINED] != 0, self.chosen[batch_rows], inputs[TOKEN])
@@ -169,13 +198,23 @@ class DecodeGraphs:
                 kv_lengths=lengths.to(torch.int32),
                 **{self.cache_kwarg: cache},
             )
+            return output.logits[:, -1]
+
+        def sampler(logits: torch.Tensor) -> torch.Tensor:
+            batch_rows, lengths = inputs[ROW], inputs[LENGTH]
             # Padding rows read the sampler state of the last batch row and change nothing (they are not live).
             sampler_rows = batch_rows.clamp(max=self.max_rows - 1)
-            out = sample(output.logits[:, -1], self.state, sampler_rows, lengths > 0, features)
+            out = sample(logits, self.state, sampler_rows, lengths > 0, features)
             self.chosen[batch_rows] = out.tokens
             return pack(out)
 
-        self.graphs[key] = capture(step, self.pool)
+        if features.masks:
+            forward_graph, logits = capture(forward, self.pool)
+            sampler_graph, packed = capture(lambda: sampler(logits), self.pool)
+            self.graphs[key] = StepGraphs(forward_graph, sampler_graph, packed)
+        else:
+            graph, packed = capture(lambda: sampler(forward()), self.pool)
+            self.graphs[key] = StepGraphs(graph, None, packed)
         return self.graphs[key]
 
 

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 
 BLOCK_S = 64  # key positions per inner step of a program
+WARPS = 4  # warps per program of the split kernel
+STAGES = 3  # software-pipelining stages of the split kernel's loop (Triton's num_stages)
 MAX_SPLITS = 64  # most programs per row and key/value head
 
 
@@ -129,11 +131,15 @@ def paged_decode_attention(
     lengths: torch.Tensor,
     scale: float,
     splits: int,
+    block: int = BLOCK_S,
+    warps: int = WARPS,
+    stages: int = STAGES,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over each row's positions 0 .. lengths[r] - 1, for query [rows, heads, 1, D], key and
     value caches [num_blocks, block_size, kv_heads, D] (views are fine: strides are followed), block_tables
     [rows, max_blocks] int32 and lengths [rows] int32 (0: a padding row, whose output is zeros). Each row's positions
-    are split among `splits` programs (`splits_for`). Returns [rows, 1, heads, D] in the query's dtype, as
+    are split among `splits` programs (`splits_for`); `block`, `warps` and `stages` are the split kernel's launch
+    parameters (bench/decode_attention.py measures them). Returns [rows, 1, heads, D] in the query's dtype, as
     transformers' attention functions do. The launch and its buffers depend on the shapes and `splits` alone, never on
     the lengths' values, so a CUDA graph of it replays for any lengths."""
     rows, heads, _, head_dim = query.shape
@@ -148,8 +154,8 @@ def paged_decode_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         scale,
-        HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK=BLOCK_S,
-        BLOCK_SIZE=block_size, SPLITS=splits, num_warps=4,
+        HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK=block,
+        BLOCK_SIZE=block_size, SPLITS=splits, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     output = torch.empty(rows, 1, heads, head_dim, device=query.device, dtype=query.dtype)
     _merge_kernel[(rows, heads)](

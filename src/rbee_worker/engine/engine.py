@@ -403,14 +403,13 @@ class Engine:
                 self._output.end(sequence, StopReason.CANCELLED)
             for row in plan.preempted:
                 self._runner.evict(row)
-            for sequence in plan.started:
-                if not sequence.finished:
-                    request = sequence.request
-                    self._runner.assign(
-                        sequence.row, request.sampling, sequence.seed, request.prompt_ids, request.logprobs
-                    )
-                    if sequence.output.grammar is not None:  # its first token too (compiling proved one allowed)
-                        self._runner.mask(sequence.row, sequence.output.grammar)
+            started = [sequence for sequence in plan.started if not sequence.finished]
+            for sequence in started:
+                request = sequence.request
+                self._runner.assign(sequence.row, request.sampling, sequence.seed, request.prompt_ids, request.logprobs)
+            # Their first tokens are constrained too (compiling a grammar proved that it allows one).
+            if constrained := [(s.row, s.output.grammar) for s in started if s.output.grammar is not None]:
+                self._runner.masks(constrained)
             self._steps.run(plan)
         except DeviceFault:
             raise

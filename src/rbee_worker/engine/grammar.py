@@ -117,19 +117,20 @@ class Matcher:
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the tokens the grammar allows next into row `row` of `bitmask` (int32, on the host). Returns whether
         the row's next draw is masked: False while the matcher is dormant (every token allowed, nothing written)."""
-        if self._dormant:
-            return False
-        if self._matcher.is_terminated():  # nothing follows (`terminated`): there is no mask to fill
-            return True
-        started = time.perf_counter()
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return fill_masks([self], [row], bitmask)[0]
+
+    def _fills(self) -> bool:
+        """Whether a fill writes a mask: not while dormant, nor once terminated (nothing follows: no mask to fill)."""
+        return not self._dormant and not self._matcher.is_terminated()
+
+    def _filled(self, bitmask: torch.Tensor, row: int, seconds: float) -> None:
+        """After xgrammar has written the row: whether it allows nothing, the start tag where it may come."""
         self._stuck = not bitmask[row].any()
         if self._may_open:
             word, bit = divmod(self._start_id, 32)
             bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # bit 31 is int32's sign
         self._stats.masks += 1
-        self._stats.mask_seconds += time.perf_counter() - started
-        return True
+        self._stats.mask_seconds += seconds
 
     def accept(self, token: int) -> bool:
         """Advance past a chosen token; False when the grammar does not allow it (the matcher is unchanged). A dormant
@@ -149,6 +150,37 @@ class Matcher:
         """Whether nothing may follow: the grammar has accepted a stop token, or the latest fill allowed no token (the
         grammar cannot continue)."""
         return self._stuck or self._matcher.is_terminated()
+
+
+def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.Tensor) -> list[bool]:
+    """Matcher.fill for several rows at once: xgrammar fills the rows of a batch on several threads (its
+    BatchGrammarMatcher), which a step of many constrained rows needs, as one row's fill over a large vocabulary takes
+    about as long as a small model's decode step. Returns, for each matcher, whether its row's next draw is masked."""
+    active = [(matcher, row) for matcher, row in zip(matchers, rows, strict=True) if matcher._fills()]
+    if active:
+        started = time.perf_counter()
+        if len(active) == 1:
+            active[0][0]._matcher.fill_next_token_bitmask(bitmask, active[0][1])
+        else:
+            handles = [matcher._matcher for matcher, _ in active]
+            _batch_matcher().batch_fill_next_token_bitmask(handles, bitmask, [row for _, row in active])
+        seconds = (time.perf_counter() - started) / len(active)
+        for matcher, row in active:
+            matcher._filled(bitmask, row, seconds)
+    return [not matcher._dormant for matcher in matchers]
+
+
+_batch: "xgrammar.BatchGrammarMatcher | None" = None
+
+
+def _batch_matcher() -> "xgrammar.BatchGrammarMatcher":
+    """xgrammar's batch filler (made once: it owns a thread pool of half the machine's hardware threads)."""
+    global _batch
+    if _batch is None:
+        import xgrammar
+
+        _batch = xgrammar.BatchGrammarMatcher()
+    return _batch
 
 
 class Grammars:

@@ -138,8 +138,8 @@ class LlamaCppRunner:
         self._prompt_lengths[row] = len(prompt_ids)
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
-    def mask(self, row: int, matcher: Matcher) -> None:
-        self.sampling.mask(row, matcher)
+    def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
+        self.sampling.masks(rows)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
         """The longest prefix of `token_ids[:limit]` that a saved state or (unified pool) a running request's sequence
@@ -208,8 +208,12 @@ class LlamaCppRunner:
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return False
 
-    def launch(self, decodes: list[DecodeRow]) -> Launched:
+    def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Launched:
+        """The step computed at once (`chains` is False, so no sampling is ever held)."""
         return Finished(self.step([], decodes))
+
+    def sample_held(self, launched: Launched) -> None:
+        """Nothing: no step is launched with its sampling held."""
 
     def collect(self, launched: Launched) -> list[Sampled]:
         assert isinstance(launched, Finished)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import psutil
 import torch
 
-from rbee_worker.engine.grammar import Matcher, host_bitmask
+from rbee_worker.engine.grammar import Matcher, fill_masks, host_bitmask
 from rbee_worker.engine.runner import KvGeometry, Sampled
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample, unpack
 from rbee_worker.engine.sampling import SamplingParams
@@ -81,15 +81,22 @@ class RowSampling:
         self._params[row], self._logprobs[row] = params, logprobs
         self._masked.discard(row)
 
+    def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
+        """Each row's next draw takes only the tokens that its matcher's grammar allows now (until its next mask),
+        the rows filled together (grammar.fill_masks); a dormant matcher (a reasoning model's reasoning) allows every
+        token, and its row's mask is dropped."""
+        masked = fill_masks([matcher for _, matcher in rows], [row for row, _ in rows], self._masks)
+        for (row, _), on in zip(rows, masked, strict=True):
+            if on:
+                self.state.set_mask(row, self._masks[row])
+                self._masked.add(row)
+            elif row in self._masked:  # a row outside _masked allows every token already (see assign)
+                self.state.set_mask(row, None)
+                self._masked.discard(row)
+
     def mask(self, row: int, matcher: Matcher) -> None:
-        """The row's next draw takes only the tokens that the matcher's grammar allows now (until the next mask); a
-        dormant matcher (a reasoning model's reasoning) allows every token, and the row's mask is dropped."""
-        if matcher.fill(self._masks, row):
-            self.state.set_mask(row, self._masks[row])
-            self._masked.add(row)
-        elif row in self._masked:  # a row outside _masked allows every token already (see assign)
-            self.state.set_mask(row, None)
-            self._masked.discard(row)
+        """One row's mask (see masks)."""
+        self.masks([(row, matcher)])
 
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
         masks = any(row in self._masked for row in rows)

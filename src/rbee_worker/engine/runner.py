@@ -118,9 +118,9 @@ class Runner(Protocol):
     ) -> None:
         """A request takes the batch row: its sampling state comes (what an earlier holder left goes)."""
 
-    def mask(self, row: int, matcher: Matcher) -> None:
-        """The request in this batch row draws its next token among those its grammar allows now (the matcher fills
-        the row's mask); until the next mask, or the row's next `assign`."""
+    def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
+        """The request in each of these batch rows draws its next token among those its grammar allows now (each
+        matcher fills its row's mask); until the row's next mask, or its next `assign`."""
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
         """For a runtime whose memory does not follow the block tables (`KvGeometry.shared_blocks` False): how many of
@@ -143,8 +143,14 @@ class Runner(Protocol):
         """Whether a decode step over these rows may be launched while the step launched before it is not collected
         yet, its `chained` rows reading that step's tokens on the device. False: collect the earlier step first."""
 
-    def launch(self, decodes: list[DecodeRow]) -> Launched:
-        """Start a decode step over these rows (computed at once by a runner without asynchronous steps)."""
+    def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Launched:
+        """Start a decode step over these rows (computed at once by a runner without asynchronous steps). With
+        `hold_sampling` (only for rows that `chains` allowed), the forward starts now and the sampler waits for
+        `sample_held`: in between the host takes the previous step's tokens and fills the masks that chained
+        constrained rows draw under, while the device runs the forward."""
+
+    def sample_held(self, launched: Launched) -> None:
+        """Start the sampler of a step launched with `hold_sampling`, under the masks set since."""
 
     def collect(self, launched: Launched) -> list[Sampled]:
         """The launched step's tokens, in the order of its rows (waits for the device where needed)."""

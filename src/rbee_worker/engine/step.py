@@ -7,11 +7,11 @@ and the next step may chain onto it (see `Steps._decode`); any other runner's st
 and its tokens are taken at once.
 
 Structured output: a constrained sequence's next token must be drawn under the mask its grammar gives after its
-previous token, which the host fills (`Runner.mask`) once it has taken that token. So its next step never chains onto
-an uncollected one: a decode step over a constrained row that has a token on its way collects the step before it
-first, and none of that step's rows overlap the host's work with the device's. (Filling the masks while the other
-rows' next step runs, as vLLM and SGLang do, is left for later.) The grammar ends the sequence (EOS) when it has
-ended or allows nothing more.
+previous token, which the host fills (`Runner.mask`) once it has taken that token. Only the sampler needs the mask,
+not the forward: a step whose constrained rows chain onto an uncollected step is launched with its sampling held
+(`Runner.launch(hold_sampling=True)`), the host takes the previous step's tokens and fills the masks while the device
+runs the forward, and then the sampler starts (`Runner.sample_held`), as SGLang's overlap scheduler does it. The
+grammar ends the sequence (EOS) when it has ended or allows nothing more.
 
 Faults: a forward that raises ends the requests in it with an error event. When the runner says the failure leaves
 the device unusable (`Runner.fault`), `DeviceFault` propagates and the engine stops. A failure in output processing
@@ -80,24 +80,28 @@ class Steps:
         this step computed and thrown away: its KV write lands past its last token, in a block of its own that no
         prefix cache entry holds (a sequence never writes a shared block), and every position is written before it is
         read; its sampling state is written afresh when its row is taken again. Where the runner cannot chain this
-        step, the previous one is collected first."""
+        step, the previous one is collected first. A constrained row that chains holds the step's sampling until
+        the previous step is collected, which fills its mask (see the module docstring)."""
         pending, self._pending = self._pending, None
         live = [s for s in sequences if self.scheduler.wants_token(s)]
         rows = _decode_rows(live)
-        constrained = any(s.output.grammar is not None and s.launched for s in live)
-        if pending and (constrained or not (rows and self.runner.chains(rows))):
+        if pending and not (rows and self.runner.chains(rows)):
             self._collect(pending)
             pending = None
             live = [s for s in sequences if self.scheduler.wants_token(s)]
             rows = _decode_rows(live)
+        hold = any(s.output.grammar is not None and s.launched for s in live)
         launched = None
         if live:
             with self._failing(live):
-                launched = _Launched(live, self.runner.launch(rows))
+                launched = _Launched(live, self.runner.launch(rows, hold_sampling=hold))
                 for sequence in live:
                     sequence.launched += 1
         if pending:
             self._collect(pending)
+        if launched and hold:
+            with self._failing(live):
+                self.runner.sample_held(launched.step)
         if launched and launched.step.ready:
             self._collect(launched)
         else:
@@ -123,7 +127,9 @@ class Steps:
             self._collect(pending)
 
     def _take(self, sequences: list[Sequence], sampled: list[Sampled]) -> None:
-        """Each sequence's sampled token through the output processor; the sequences that it ends, ended."""
+        """Each sequence's sampled token through the output processor; the sequences that it ends, ended; the next
+        masks of the constrained ones that go on, filled together."""
+        constrained = []
         for sequence, out in zip(sequences, sampled, strict=True):
             if sequence.finished:
                 continue
@@ -135,15 +141,34 @@ class Steps:
                 reason = self.output.token(sequence, out.token, out.logprob)
                 if reason is not StopReason.EOS and self.scheduler.append(sequence, out.token):
                     reason = reason or StopReason.MAX_TOKENS
-                if reason is None and (grammar := sequence.output.grammar) is not None:
-                    self.runner.mask(sequence.row, grammar)
-                    reason = StopReason.EOS if grammar.terminated else None
                 if reason is not None:
                     self.output.end(sequence, reason)
+                elif sequence.output.grammar is not None:
+                    constrained.append(sequence)
             except Exception as exc:
-                log.exception("internal error while processing the output of request %s", sequence.request_id)
-                if not sequence.finished:
-                    self.output.fail(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
+                self._internal_error(sequence, exc)
+        if constrained:
+            self._masks(constrained)
+
+    def _masks(self, sequences: list[Sequence]) -> None:
+        """The constrained sequences' next masks, filled in one call (grammar.fill_masks fills many rows on several
+        threads); a grammar that has ended, or allows nothing more, ends its sequence (EOS)."""
+        try:
+            self.runner.masks([(s.row, s.output.grammar) for s in sequences if s.output.grammar is not None])
+        except Exception as exc:
+            for sequence in sequences:
+                self._internal_error(sequence, exc)
+            return
+        for sequence in sequences:
+            if sequence.output.grammar is not None and sequence.output.grammar.terminated:
+                self.output.end(sequence, StopReason.EOS)
+
+    def _internal_error(self, sequence: Sequence, exc: Exception) -> None:
+        """A failure of the host's output processing (a bug, not an inference failure): the request ends with
+        INTERNAL_ERROR and the traceback goes to the log."""
+        log.exception("internal error while processing the output of request %s", sequence.request_id, exc_info=exc)
+        if not sequence.finished:
+            self.output.fail(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
 
     @contextlib.contextmanager
     def _failing(self, sequences: list[Sequence]) -> Iterator[None]:

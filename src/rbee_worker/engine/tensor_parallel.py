@@ -273,8 +273,8 @@ class TensorParallelRunner:
     ) -> None:
         self.local.assign(row, params, seed, prompt_ids, logprobs)
 
-    def mask(self, row: int, matcher: Matcher) -> None:
-        self.local.mask(row, matcher)
+    def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
+        self.local.masks(rows)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
         return self.local.reuse(row, token_ids, limit)
@@ -296,8 +296,12 @@ class TensorParallelRunner:
         """Never: each step is finished when `launch` returns."""
         return False
 
-    def launch(self, decodes: list[DecodeRow]) -> Launched:
+    def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Launched:
+        """The step computed at once (`chains` is False, so no sampling is ever held)."""
         return self._everywhere(Forward([], decodes), lambda: self.local.launch(decodes))
+
+    def sample_held(self, launched: Launched) -> None:
+        """Nothing: no step is launched with its sampling held."""
 
     def collect(self, launched: Launched) -> list[Sampled]:
         return self.local.collect(launched)

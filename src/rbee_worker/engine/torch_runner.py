@@ -32,6 +32,9 @@ from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
 from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.models.dequant import CPU_DEQUANTIZE_ROWS, cpu_product_dequantizes
+from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.merged_linear import merge_projections
 
@@ -72,6 +75,10 @@ class TorchRunner:
         self.model = loaded.model
         self.device = loaded.info.device
         self.dtype = loaded.info.dtype
+        # A CPU's int4 / int8 layers multiply another way from CPU_DEQUANTIZE_ROWS rows, which rounds differently.
+        quantized = any(isinstance(module, Int4Linear | Int8Linear) for module in self.model.modules())
+        if quantized and self.device.type == "cpu" and cpu_product_dequantizes(CPU_DEQUANTIZE_ROWS, self.dtype):
+            self.capabilities = Capabilities(mixed_batches=False, uniform_rows=CPU_DEQUANTIZE_ROWS)
         self.cache_kwarg = cache_kwarg(loaded.model)
         self.kv = kv or size_pool(loaded, config)
         self.cache = PagedCache(loaded.model.config, self.kv, config.max_batch, self.dtype, self.device)
@@ -92,8 +99,8 @@ class TorchRunner:
         """A request takes the batch row: its sampling parameters, seed and penalty counts go to the device."""
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
-    def mask(self, row: int, matcher: Matcher) -> None:
-        self.sampling.mask(row, matcher)
+    def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
+        self.sampling.masks(rows)
 
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
         return self.sampling.features(rows)
@@ -119,18 +126,28 @@ class TorchRunner:
         return self._decode(decodes) if decodes else []
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
-        """On a GPU, when the step's graph is captured: capturing one runs the forward, which overwrites the tokens
-        that the step before chose on the device."""
+        """On a GPU, when the step's graphs are captured, those of a held sampler too (see `launch`): capturing one
+        runs the forward, which overwrites the tokens that the step before chose on the device."""
         if self.graphs is None:
             return False
-        return self.graphs.captured(len(decodes), self.features([r.row for r in decodes]))
+        features = self.features([r.row for r in decodes])
+        held = dataclasses.replace(features, masks=True)
+        return self.graphs.captured(len(decodes), features) and self.graphs.captured(len(decodes), held)
 
-    def launch(self, decodes: list[DecodeRow]) -> Launched:
-        """On a GPU a CUDA graph over the rows, not waited for (see DecodeGraphs); elsewhere an eager decode step."""
+    def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Launched:
+        """On a GPU CUDA graphs over the rows, not waited for (see DecodeGraphs); elsewhere an eager decode step. A held
+        sampler runs the graphs with the mask stage whatever the rows' masks are now: the host sets them after the
+        launch (a reasoning row's grammar may wake up)."""
         if self.graphs is None:
             return Finished(self._decode(decodes))
         features = self.features([r.row for r in decodes])
-        return _GraphStep(self.graphs.launch(decodes, features), decodes)
+        if hold_sampling:
+            features = dataclasses.replace(features, masks=True)
+        return _GraphStep(self.graphs.launch(decodes, features, hold_sampling), decodes)
+
+    def sample_held(self, launched: Launched) -> None:
+        assert isinstance(launched, _GraphStep)
+        launched.step.sample()
 
     def collect(self, launched: Launched) -> list[Sampled]:
         """The launched step's rows' tokens, in order (a graph step: once it has run)."""
