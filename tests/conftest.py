@@ -229,7 +229,7 @@ def assert_launched_ahead_as_waiting(waiting, ahead, prompts: Sequence[str]) -> 
     chained: list[list[bool]] = []
     graphs = ahead._runner.graphs
     launch = graphs.launch
-    graphs.launch = lambda rows, features: chained.append([r.chained for r in rows]) or launch(rows, features)
+    graphs.launch = lambda rows, *rest: chained.append([r.chained for r in rows]) or launch(rows, *rest)
     assert run_mixed_traffic(ahead, prompts, stop) == expected
     assert any(any(rows) for rows in chained)
 

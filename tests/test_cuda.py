@@ -387,7 +387,7 @@ def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_gr
     captured = set(graphs.graphs)
     chained: list[list[bool]] = []
     launch = graphs.launch
-    graphs.launch = lambda rows, features: chained.append([r.chained for r in rows]) or launch(rows, features)
+    graphs.launch = lambda rows, *rest: chained.append([r.chained for r in rows]) or launch(rows, *rest)
     outputs = []
     try:
         for engine in engines:

@@ -1,6 +1,6 @@
 """Output processing: what becomes of a request's sampled tokens. The end-of-sequence token, the request's grammar
-(each token advances its matcher), detokenizing, stop strings, the tokens' log-probabilities, the timings the metrics
-observe, and every event the request's caller receives.
+(`advance`: each token advances its matcher), detokenizing, stop strings, the tokens' log-probabilities, the timings
+the metrics observe, and every event the request's caller receives.
 
 The scheduler decides who runs and how far each sequence has got; this module turns tokens into events and says when
 a request's text or EOS ends it. Everything here runs on the engine thread.
@@ -86,10 +86,21 @@ class OutputProcessor:
     def started(self, sequence: "Sequence") -> None:
         send(sequence, Started(sequence.request_id, len(sequence.request.prompt_ids), sequence.seed))
 
+    def advance(self, sequence: "Sequence", token: int) -> bool:
+        """A constrained sequence's sampled token through its grammar, before `token` (the grammar's next mask can
+        then be filled first); False for EOS, which ends the request and is no part of its text. Raises
+        GrammarRejected for a token the grammar does not allow (its mask rules that out)."""
+        matcher = sequence.output.grammar
+        assert matcher is not None
+        if token in self._eos:  # a constrained request never ignores EOS (Engine.validate)
+            return False
+        if not matcher.accept(token):
+            raise GrammarRejected(f"the request's grammar does not allow the token chosen ({token})")
+        return True
+
     def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:
-        """A sampled token of the sequence: EOS ends it (and is not output); otherwise it advances the request's
-        grammar, its text goes out, and a stop string that its text completes ends it. Raises GrammarRejected for a
-        token the grammar does not allow (its mask rules that out)."""
+        """A sampled token of the sequence (of a constrained one: after `advance`): EOS ends it (and is not output);
+        otherwise its text goes out, and a stop string that its text completes ends it."""
         output = sequence.output
         now = time.perf_counter()
         if output.last_token_at is None:
@@ -100,8 +111,6 @@ class OutputProcessor:
         output.last_token_at = now
         if token in self._eos and not sequence.request.ignore_eos:
             return StopReason.EOS
-        if output.grammar is not None and not output.grammar.accept(token):
-            raise GrammarRejected(f"the request's grammar does not allow the token chosen ({token})")
         text = output.detokenizer.add_token(token)
         self._piece(sequence, text, (token,), () if logprob is None else (logprob,))
         return StopReason.STOP_SEQUENCE if output.detokenizer.stop_matched is not None else None

@@ -10,8 +10,10 @@ Structured output: a constrained sequence's next token must be drawn under the m
 previous token, which the host fills (`Runner.mask`) once it has taken that token. Only the sampler needs the mask,
 not the forward: a step whose constrained rows chain onto an uncollected step is launched with its sampling held
 (`Runner.launch(hold_sampling=True)`), the host takes the previous step's tokens and fills the masks while the device
-runs the forward, and then the sampler starts (`Runner.sample_held`), as SGLang's overlap scheduler does it. The
-grammar ends the sequence (EOS) when it has ended or allows nothing more.
+runs the forward, and then the sampler starts (`Runner.sample_held`), as SGLang's overlap scheduler does it. Taking
+a step's tokens begins with the constrained rows (their grammars, then their masks together), so the sampler waits
+only for that; the rest of the host's work on the tokens runs beside it. The grammar ends the sequence (EOS) when it
+has ended or allows nothing more.
 
 Faults: a forward that raises ends the requests in it with an error event. When the runner says the failure leaves
 the device unusable (`Runner.fault`), `DeviceFault` propagates and the engine stops. A failure in output processing
@@ -81,7 +83,7 @@ class Steps:
         prefix cache entry holds (a sequence never writes a shared block), and every position is written before it is
         read; its sampling state is written afresh when its row is taken again. Where the runner cannot chain this
         step, the previous one is collected first. A constrained row that chains holds the step's sampling until
-        the previous step is collected, which fills its mask (see the module docstring)."""
+        the previous step's constrained tokens are taken and their masks filled (see the module docstring)."""
         pending, self._pending = self._pending, None
         live = [s for s in sequences if self.scheduler.wants_token(s)]
         rows = _decode_rows(live)
@@ -98,27 +100,26 @@ class Steps:
                 for sequence in live:
                     sequence.launched += 1
         if pending:
-            self._collect(pending)
-        if launched and hold:
-            with self._failing(live):
-                self.runner.sample_held(launched.step)
+            self._collect(pending, launched if hold else None)
         if launched and launched.step.ready:
             self._collect(launched)
         else:
             self._pending = launched
 
-    def _collect(self, launched: _Launched) -> None:
-        """Take a launched step's tokens, for the sequences that still run."""
+    def _collect(self, launched: _Launched, held: _Launched | None = None) -> None:
+        """Take a launched step's tokens, for the sequences that still run; `held`: the step launched after it with
+        its sampling held, which starts once the masks are filled (see `_take`)."""
         for sequence in launched.sequences:
             sequence.launched -= 1
         sampled = None
         with self._failing(launched.sequences):
             sampled = self.runner.collect(launched.step)
         if sampled is None:
+            self._sample(held)
             return
         alive = [(s, out) for s, out in zip(launched.sequences, sampled, strict=True) if not s.finished]
         self.scheduler.computed([], [s for s, _ in alive])
-        self._take([s for s, _ in alive], [out for _, out in alive])
+        self._take([s for s, _ in alive], [out for _, out in alive], held)
 
     def collect_pending(self) -> None:
         """Take the tokens of a step still in flight (before the engine stops)."""
@@ -126,11 +127,29 @@ class Steps:
             pending, self._pending = self._pending, None
             self._collect(pending)
 
-    def _take(self, sequences: list[Sequence], sampled: list[Sampled]) -> None:
-        """Each sequence's sampled token through the output processor; the sequences that it ends, ended; the next
-        masks of the constrained ones that go on, filled together."""
+    def _take(self, sequences: list[Sequence], sampled: list[Sampled], held: _Launched | None = None) -> None:
+        """Each sequence's sampled token through the output processor; the sequences that it ends, ended.
+
+        Constrained sequences go first through their grammars, and their next masks are filled together (grammar's
+        fill_masks fills many rows on several threads); then a `held` step's sampler starts, so that the rest of the
+        host's work on these tokens (detokenizing, events, stop strings) runs while the device samples and goes on."""
+        taken = [(s, out) for s, out in zip(sequences, sampled, strict=True) if not s.finished]
         constrained = []
-        for sequence, out in zip(sequences, sampled, strict=True):
+        for sequence, out in taken:
+            if out.valid and sequence.output.grammar is not None:
+                try:
+                    if self.output.advance(sequence, out.token):
+                        constrained.append(sequence)
+                except Exception as exc:
+                    self._internal_error(sequence, exc)
+        if constrained:
+            try:
+                self.runner.masks([(s.row, s.output.grammar) for s in constrained if s.output.grammar is not None])
+            except Exception as exc:
+                for sequence in constrained:
+                    self._internal_error(sequence, exc)
+        self._sample(held)
+        for sequence, out in taken:
             if sequence.finished:
                 continue
             if not out.valid:
@@ -141,27 +160,18 @@ class Steps:
                 reason = self.output.token(sequence, out.token, out.logprob)
                 if reason is not StopReason.EOS and self.scheduler.append(sequence, out.token):
                     reason = reason or StopReason.MAX_TOKENS
+                if reason is None and (grammar := sequence.output.grammar) is not None and grammar.terminated:
+                    reason = StopReason.EOS  # the grammar has ended, or allows nothing more
                 if reason is not None:
                     self.output.end(sequence, reason)
-                elif sequence.output.grammar is not None:
-                    constrained.append(sequence)
             except Exception as exc:
                 self._internal_error(sequence, exc)
-        if constrained:
-            self._masks(constrained)
 
-    def _masks(self, sequences: list[Sequence]) -> None:
-        """The constrained sequences' next masks, filled in one call (grammar.fill_masks fills many rows on several
-        threads); a grammar that has ended, or allows nothing more, ends its sequence (EOS)."""
-        try:
-            self.runner.masks([(s.row, s.output.grammar) for s in sequences if s.output.grammar is not None])
-        except Exception as exc:
-            for sequence in sequences:
-                self._internal_error(sequence, exc)
-            return
-        for sequence in sequences:
-            if sequence.output.grammar is not None and sequence.output.grammar.terminated:
-                self.output.end(sequence, StopReason.EOS)
+    def _sample(self, held: _Launched | None) -> None:
+        """Start the sampler of a step launched with its sampling held."""
+        if held is not None:
+            with self._failing(held.sequences):
+                self.runner.sample_held(held.step)
 
     def _internal_error(self, sequence: Sequence, exc: Exception) -> None:
         """A failure of the host's output processing (a bug, not an inference failure): the request ends with
