@@ -38,23 +38,21 @@ def graph_features(features: SamplerFeatures) -> SamplerFeatures:
     penalties), and a step with logprobs computes MAX_TOP_LOGPROBS alternatives (a row reads the ones it asked for).
     So the GRAPH_KINDS per row bucket, captured before ready, serve every mix of settings, instead of a graph
     per combination captured when a request first brings it, which stalls every running stream for the capture.
-    A step with a grammar's mask (structured output) runs the sampled graph with the mask stage (its greedy rows too):
-    two kinds more, not four."""
+    A step with a grammar's mask (structured output) runs either graph with the mask stage: greedy steps of JSON
+    output keep the argmax, not the sampled path over every row."""
     logprobs = -1 if features.top_logprobs < 0 else MAX_TOP_LOGPROBS
-    if not (features.sampling or features.penalties or features.masks):
-        return SamplerFeatures(top_logprobs=logprobs)
+    if not (features.sampling or features.penalties):
+        return SamplerFeatures(masks=features.masks, top_logprobs=logprobs)
     return SamplerFeatures(top_k=True, penalties=True, masks=features.masks, top_logprobs=logprobs)
 
 
-# Every graph_features value a request can bring: greedy and sampled, each with and without logprobs, and sampled with
-# masks, with and without logprobs.
+# Every graph_features value a request can bring: greedy and sampled, each with and without a mask stage and with and
+# without logprobs.
 GRAPH_KINDS = [
-    SamplerFeatures(),
-    SamplerFeatures(top_logprobs=MAX_TOP_LOGPROBS),
-    SamplerFeatures(top_k=True, penalties=True),
-    SamplerFeatures(top_k=True, penalties=True, top_logprobs=MAX_TOP_LOGPROBS),
-    SamplerFeatures(top_k=True, penalties=True, masks=True),
-    SamplerFeatures(top_k=True, penalties=True, masks=True, top_logprobs=MAX_TOP_LOGPROBS),
+    SamplerFeatures(top_k=top_k, penalties=top_k, masks=masks, top_logprobs=logprobs)
+    for top_k in (False, True)
+    for masks in (False, True)
+    for logprobs in (-1, MAX_TOP_LOGPROBS)
 ]
 
 
