@@ -364,7 +364,10 @@ class Engine:
         try:
             self._runner = self._make_runner(self._load(), self.config)
             runner = self._runner
-            self._scheduler = Scheduler(self.config, runner.capabilities.mixed_batches, runner.kv, runner.reuse)
+            capabilities = runner.capabilities
+            self._scheduler = Scheduler(
+                self.config, capabilities.mixed_batches, runner.kv, runner.reuse, capabilities.uniform_rows
+            )
             info = self._runner.loaded.info
             bytes_per_token = self._runner.kv.bytes_per_token
             self._output = OutputProcessor(info.eos_token_ids, bytes_per_token, self._retire, self._observer)

@@ -16,9 +16,19 @@ as llama-server's `--cache-ram`) and its cells go back; at a prompt's first chun
 the longest prefix with the prompt is restored into the row's sequence and cut to that prefix, or, in a unified pool,
 a running request's sequence gives its cells for the prefix (`llama_memory_seq_cp` shares them, nothing is copied).
 Saved states hold no cells: cells left to ended sequences would take room that the block pool does not account for,
-and in a unified pool llama.cpp's attention sums depend on the cells every other sequence holds. In deterministic
-mode only a prompt's whole `prefill_chunk` chunks are saved (the positions a fresh run computes in the same
-forwards), and running sequences give nothing (a stream per sequence: llama.cpp copies between streams only whole).
+and in a unified pool llama.cpp's attention sums depend on the cells every other sequence holds.
+
+A reused prefix gives a fresh run's logits (the same greedy text with the cache on and off) when two things hold.
+The rest of the prompt runs in batches of UNIFORM_ROWS tokens or more, as a fresh run's chunks over those positions
+do (Capabilities.uniform_rows, which the scheduler's chunks and the `limit` it gives `reuse` keep to): fewer rows take
+other kernels, which round differently. And the prefix's positions were computed, or restored from positions
+computed, with no other sequence in the pool (exact): each sequence's exact first positions are tracked and saved
+with its state, and of the sources sharing the longest prefix `reuse` takes the one exact the furthest, so a prompt
+computed alone serves the requests after it exactly even when those that ran beside it were saved too.
+
+In deterministic mode only a prompt's whole `prefill_chunk` chunks are saved (the positions a fresh run computes in
+the same forwards), and running sequences give nothing (a stream per sequence: llama.cpp copies between streams only
+whole).
 
 Every step is computed before it returns: `launch` hands back a finished step and `chains` is always False.
 """
@@ -52,6 +62,7 @@ DECODE_ERRORS = {
     -1: "invalid input batch (a token id outside the vocabulary, or a position out of order)",
 }
 PROMPT_CACHE_BYTES = 8 << 30  # the most host memory saved states take (llama-server's --cache-ram default)
+UNIFORM_ROWS = 64  # the fewest tokens of a batch whose rows llama.cpp's CPU kernels round alike (see LlamaCppRunner)
 
 
 class DecodeFailed(RuntimeError):
@@ -66,7 +77,10 @@ class LlamaCppRunner:
     """Runs a LoadedModel of the llama.cpp runtime: the context, the batch, and each batch row's sampling state. Lives
     on the engine thread; `close` frees what llama.cpp holds."""
 
-    capabilities = Capabilities(mixed_batches=True)  # a round's prompt chunks and decode rows go in one llama_batch
+    # A round's prompt chunks and decode rows go in one llama_batch. uniform_rows: on an x86 CPU with AVX2 (measured:
+    # bench/results/README.md, llama_cpp_numerics) llama.cpp's kernels give each row the same logits in any batch of
+    # UNIFORM_ROWS tokens or more and others below, so the scheduler keeps prompt chunks and cache hits to it.
+    capabilities = Capabilities(mixed_batches=True, uniform_rows=UNIFORM_ROWS)
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         model: LlamaCppModel = loaded.model  # type: ignore[assignment]
@@ -117,6 +131,9 @@ class LlamaCppRunner:
         self.prompts = PromptCache(min(self.kv_bytes(), PROMPT_CACHE_BYTES) if self.reusing else 0)
         self._unified = unified
         self._held: list[list[int]] = [[] for _ in range(rows)]  # each sequence's tokens at positions 0..n-1
+        # Each sequence's first positions computed with no other sequence in the pool (or restored from such): what a
+        # fresh run computes alike (see the module docstring). With a stream per sequence, every position.
+        self._exact = [0] * rows
         self._prompt_lengths = [0] * rows
         self._broken = False  # a fatal llama_decode error: nothing more is asked of the context
         log.info(
@@ -150,11 +167,13 @@ class LlamaCppRunner:
         self._clear(row)
         wanted = list(token_ids[:limit])
         found, key = self.prompts.longest(wanted)
+        exact = min(found, self.prompts.exact(key)) if key is not None else 0
         source = None
-        if self._unified:
+        if self._unified:  # the longest prefix; among equal ones, an exact one
             for other, held in enumerate(self._held):
-                if other != row and (shared := common_prefix(held, wanted)) > found:
-                    found, source = shared, other
+                shared = common_prefix(held, wanted)
+                if other != row and (shared, min(shared, self._exact[other])) > (found, exact):
+                    found, exact, source = shared, min(shared, self._exact[other]), other
         if found < self.kv.block_size:
             return 0
         if source is not None:
@@ -169,6 +188,7 @@ class LlamaCppRunner:
                 return 0
             native.llama_memory_seq_rm(self._memory, row, found, -1)
         self._held[row] = wanted[:found]
+        self._exact[row] = exact
         return found
 
     def evict(self, row: int) -> None:
@@ -189,7 +209,7 @@ class LlamaCppRunner:
             state = bytearray(size)
             buffer = (ctypes.c_ubyte * size).from_buffer(state)
             if native.llama_state_seq_get_data(self._context, buffer, size, row) == size:
-                self.prompts.insert(held[:keep], state)
+                self.prompts.insert(held[:keep], state, self._exact[row])
         self._clear(row)
 
     def _cut(self, row: int, start: int) -> None:
@@ -198,10 +218,12 @@ class LlamaCppRunner:
         if len(self._held[row]) > start:
             native.llama_memory_seq_rm(self._memory, row, start, -1)
             del self._held[row][start:]
+            self._exact[row] = min(self._exact[row], start)
 
     def _clear(self, row: int) -> None:
         native.llama_memory_seq_rm(self._memory, row, -1, -1)
         self._held[row] = []
+        self._exact[row] = 0
 
     # -- steps -------------------------------------------------------------------------------------------------------
 
@@ -255,18 +277,30 @@ class LlamaCppRunner:
         batch.n_tokens = n
         if n == 0:
             return []
+        rows = [r.row for r in prompts] + [r.row for r in decodes]
+        alone = not self._unified or (
+            len(rows) == 1 and not any(held for other, held in enumerate(self._held) if other != rows[0])
+        )
         if (code := native.llama_decode(self._context, batch)) != 0:
             raise DecodeFailed(code)
         for row in prompts:
             del self._held[row.row][row.start :]
             self._held[row.row].extend(row.token_ids)
+            self._computed(row.row, row.start, len(row.token_ids), alone)
         for row in decodes:
             del self._held[row.row][row.position :]
             self._held[row.row].append(row.token)
+            self._computed(row.row, row.position, 1, alone)
         if not sampled_rows:
             return []
         packed = self.sampling.sample(self._logits(len(sampled_rows)), sampled_rows, [True] * len(sampled_rows))
         return [self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)]
+
+    def _computed(self, row: int, start: int, count: int, alone: bool) -> None:
+        """The row's positions start..start+count-1 are computed, `alone` in the pool or not: its exact first
+        positions."""
+        exact = self._exact[row]
+        self._exact[row] = start + count if alone and exact >= start else min(exact, start)
 
     def _put(self, index: int, token: int, position: int, row: int, logits: bool) -> None:
         batch = self._batch

@@ -1,9 +1,11 @@
 """A host-memory cache of saved sequence states, looked up by their tokens' longest common prefix, for a runtime whose
 KV memory the block pool does not describe (llama.cpp's: engine/llama_cpp_runner.py), as llama-server's `--cache-ram`.
 
-An entry is the tokens a sequence held (positions 0..n-1) and the runtime's saved state of those positions (opaque
-bytes). Entries are kept least recently used first within a byte budget. An entry whose tokens begin another's is
-redundant: inserting an extension replaces it, and inserting what an entry already extends only refreshes that entry.
+An entry is the tokens a sequence held (positions 0..n-1), the runtime's saved state of those positions (opaque
+bytes), and how many of its first positions are exact: computed as a fresh run computes them (the runtime says which;
+llama.cpp's: with no other sequence in its KV pool). Entries are kept least recently used first within a byte budget.
+An entry whose tokens begin another's is redundant: inserting an extension replaces it, and inserting what an entry
+already extends only refreshes that entry.
 """
 
 from collections import OrderedDict
@@ -27,19 +29,25 @@ class PromptCache:
         self.budget_bytes = budget_bytes
         self.bytes = 0
         self._entries: OrderedDict[tuple[int, ...], bytearray] = OrderedDict()  # least recently used first
+        self._exact: dict[tuple[int, ...], int] = {}  # each entry's exact first positions
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def longest(self, token_ids: Sequence[int]) -> tuple[int, tuple[int, ...] | None]:
         """The entry sharing the longest prefix with `token_ids`, and how long that prefix is: (0, None) when none
-        shares a token."""
+        shares a token. Among entries sharing as much, one whose shared prefix is exact (or exact the furthest)."""
         wanted = tuple(token_ids)
-        best, key = 0, None
+        best, key = (0, 0), None
         for tokens in self._entries:
-            if (found := common_prefix(tokens, wanted)) > best:
-                best, key = found, tokens
-        return best, key
+            found = common_prefix(tokens, wanted)
+            if (rank := (found, min(found, self._exact[tokens]))) > best:
+                best, key = rank, tokens
+        return best[0], key
+
+    def exact(self, key: tuple[int, ...]) -> int:
+        """How many first positions of an entry are exact."""
+        return self._exact[key]
 
     def take(self, key: tuple[int, ...]) -> bytearray:
         """The saved state of an entry found by `longest`, now the most recently used."""
@@ -55,18 +63,21 @@ class PromptCache:
                 return True
         return False
 
-    def insert(self, token_ids: Sequence[int], state: bytearray) -> None:
-        """A new entry, the most recently used; the entries it extends go, then the least recently used ones while the
-        cache holds more than its budget. A state larger than the whole budget is not kept."""
+    def insert(self, token_ids: Sequence[int], state: bytearray, exact: int | None = None) -> None:
+        """A new entry, the most recently used, its first `exact` positions exact (None: all); the entries it extends
+        go, then the least recently used ones while the cache holds more than its budget. A state larger than the
+        whole budget is not kept."""
         if len(state) > self.budget_bytes:
             return
         key = tuple(token_ids)
         for tokens in [t for t in self._entries if key[: len(t)] == t]:
             self._drop(tokens)
         self._entries[key] = state
+        self._exact[key] = len(key) if exact is None else min(exact, len(key))
         self.bytes += len(state)
         while self.bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, key: tuple[int, ...]) -> None:
         self.bytes -= len(self._entries.pop(key))
+        del self._exact[key]

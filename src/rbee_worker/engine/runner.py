@@ -59,6 +59,9 @@ class Capabilities:
     """What a runner can do beyond one eager forward at a time, as the scheduler and the step loop plan with it."""
 
     mixed_batches: bool  # prompt chunks and decode rows in one forward (else: a forward for each kind)
+    # The fewest rows of a forward from which each row's results no longer depend on how many rows it holds (its
+    # kernels pick another product below); prompt chunks and cache hits keep to it (scheduler.py).
+    uniform_rows: int = 1
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,21 @@ preempted: its blocks go back to the pool, it keeps its batch row (its sampling 
 and the tokens it has generated again as a prompt when blocks are free, then decodes on. Its caller sees no
 difference but time. A prompt chunk that still finds too few blocks waits for a later round.
 
+A cached prefix gives the same tokens as a fresh run (issue 30) where the runner's kernels round a row alike in any
+forward of at least `uniform_rows` rows (Capabilities.uniform_rows): a CPU's kernels pick another product for fewer
+rows (torch's int4 / int8 layers below dequant.CPU_DEQUANTIZE_ROWS, llama.cpp's below its own switch), which rounds
+differently. So, with `uniform_rows` R: a cache hit leaves at least R prompt tokens to compute (the forward after a
+cached prefix holds R rows, as the fresh run's chunk over those positions does, and a prompt shorter than R finds
+nothing); a chunk never leaves fewer than R tokens for its prompt's last chunk (a fresh run's last chunk holds R rows
+too); and a chunk that the round's budget would cut below R waits for the next round. Every prompt position of a
+prompt of R tokens or more is then computed in forwards of R rows or more, whatever was cached, and for a request
+computed alone (nothing else in its forwards) a cached prefix changes no logit (the runners keep the rest of the
+forward's shape from mattering: torch_runner.py's CPU_KEY_BLOCK, llama_cpp_runner.py's exact prefixes). What it does
+not cover: positions computed by decode steps (a conversation's earlier answers, cached and fed again as a prompt),
+chunks cut short by a lack of free blocks, a prefix that only requests computed beside others hold (llama.cpp's
+unified KV pool, where other sequences' cells change the attention sums), and torch's first chunk of a prompt (from
+position 0, whose attention reads only its own keys) where a cache hit ends inside it.
+
 `deterministic` (batch invariance): a request's tokens must not depend on what else runs, so every chunk and every
 decode row has a forward of its own, chunks split a prompt at multiples of `prefill_chunk` whatever else runs, and
 the prefix cache serves and keeps only prompt blocks inside whole chunks, which any request computes alike.
@@ -118,8 +133,11 @@ class Scheduler:
         mixed_batches: bool,
         kv: KvGeometry,
         reuse: Callable[[int, tuple[int, ...], int], int] | None = None,
+        uniform_rows: int = 1,
     ) -> None:
+        """`uniform_rows`: the runner's Capabilities.uniform_rows (see the module docstring)."""
         self.config = config
+        self.uniform_rows = 1 if config.deterministic else uniform_rows
         self.mixed_batches = mixed_batches and not config.deterministic
         self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
         # Where the runtime keeps a prefix cache of its own (Runner.reuse), it is asked instead of the block pool's.
@@ -187,14 +205,22 @@ class Scheduler:
         if budget <= 0:
             return None
         chunk_size = self.config.prefill_chunk
+        rows = self.uniform_rows
+        # A chunk that a full round's budget would hold waits for one rather than run short of uniform_rows (see the
+        # module docstring); it looks up its prefix only when it runs (what is cached may have grown by then).
+        if budget < min(rows, sequence.prefill_end - sequence.cached, chunk_size):
+            return None
         if not sequence.table.blocks:  # its first chunk, or its first after a preemption
             self._look_up(sequence)
         # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
         # that does not fit in what is left of the round's budget waits for the next round.
         room = chunk_size - sequence.cached % chunk_size if self.config.deterministic else budget
-        count = min(room, sequence.prefill_end - sequence.cached)
+        left = sequence.prefill_end - sequence.cached
+        count = min(room, left)
         if count > budget:
             return None
+        if 0 < left - count < rows <= left - rows:  # the prompt's last chunk is not left short of uniform_rows
+            count = left - rows
         if not self._room(sequence, sequence.cached + count, settle, wait=True):
             if self.config.deterministic:
                 return None
@@ -211,9 +237,10 @@ class Scheduler:
 
     def _look_up(self, sequence: Sequence) -> None:
         """A sequence about to read its prompt takes the longest cached prefix of it (never the whole prompt: its last
-        token is computed for the logits that pick the first output): whole blocks of the pool's prefix cache, or
-        what the runtime's own cache holds (Runner.reuse)."""
-        limit = sequence.prefill_end - 1
+        token is computed for the logits that pick the first output; and at least uniform_rows tokens are left, see
+        the module docstring): whole blocks of the pool's prefix cache, or what the runtime's own cache holds
+        (Runner.reuse)."""
+        limit = max(sequence.prefill_end - max(self.uniform_rows, 1), 0)
         if self.config.deterministic:
             limit -= limit % self.config.prefill_chunk
         tokens = sequence.token_ids(0, sequence.prefill_end)

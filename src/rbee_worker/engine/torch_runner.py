@@ -54,6 +54,13 @@ class _GraphStep:
         self.step, self.rows = step, rows
 
 
+# PyTorch's CPU attention kernel reads the keys in blocks of 512 from position 0 and sums each block apart: a query's
+# result depends on where the forward's last block of keys ends. Prompt chunks after the first read the cache up to a
+# multiple of it (the rest masked), so that a position's keys and values do not depend on the length of the forward
+# that computed it: the same with a cached prefix as without (scheduler.py, Capabilities.uniform_rows).
+CPU_KEY_BLOCK = 512
+
+
 class TorchRunner:
     """Prepares a loaded model for serving (merged projections, oneDNN packing on a CPU, the engine's attention, the
     KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine thread."""
@@ -217,6 +224,8 @@ class TorchRunner:
             tokens.append([0] * pad + list(r.token_ids))
             positions.append([-1] * pad + list(range(r.start, r.start + len(r.token_ids))))
         kv_len = max(r.start + len(r.token_ids) for r in rows)
+        if self.device.type == "cpu":  # see CPU_KEY_BLOCK
+            kv_len = min(-(-kv_len // CPU_KEY_BLOCK) * CPU_KEY_BLOCK, self.cache.max_blocks * self.cache.block_size)
         position_ids = torch.tensor(positions, device=self.device)
         batch_rows = torch.tensor([r.row for r in rows], device=self.device)
         self.cache.prepare(batch_rows, position_ids, kv_len, "new" if first_chunk else "gather")
