@@ -16,8 +16,8 @@ as token ids, `ignore_eos` (every stream generates exactly --gen-tokens), greedy
   token, with the prefix cache and with --no-prefix-cache.
 - `chat`: --chat-requests chat requests at once sharing a system prompt of --system-tokens tokens (greedy, short
   answers): all must complete; then --repeats requests with new questions, one at a time, timed to their first
-  token (median), against the same requests on a worker with --no-prefix-cache, and their texts compared;
-  /v1/models' max_model_len.
+  token (median), against the same requests on a worker with --no-prefix-cache, and their texts compared (how many
+  are the same); /v1/models' max_model_len.
 
     PYTHONPATH=src python bench/kv_cache.py --model /tmp/m8b --device cuda --dtype bfloat16 --previous prev/src
     PYTHONPATH=src python bench/kv_cache.py --model demo --device cpu --cases chat --max-batch 32 --kv-cache-gb 1
@@ -241,6 +241,7 @@ def chat_case(args: argparse.Namespace, work: Path, flags: list[str]) -> dict:
             process.wait(60)
     out["ttft_ratio"] = out["cache"]["ttft_s"] / out["no_cache"]["ttft_s"]
     out["same_text"] = out["cache"]["texts"] == out["no_cache"]["texts"]
+    out["same_texts"] = sum(a == b for a, b in zip(out["cache"]["texts"], out["no_cache"]["texts"], strict=True))
     return out
 
 
@@ -331,7 +332,7 @@ def print_table(result: dict) -> None:
               f"{chat['cache']['max_model_len']}, cached {chat['cache']['cached_tokens']} of "
               f"{chat['cache']['prompt_tokens']} prompt tokens, TTFT {chat['cache']['ttft_s']:.3f} s vs "
               f"{chat['no_cache']['ttft_s']:.3f} s without the cache: {chat['ttft_ratio']:.3f}x, same text: "
-              f"{chat['same_text']}")  # fmt: skip
+              f"{chat['same_texts']} of {len(chat['cache']['texts'])}")  # fmt: skip
 
 
 if __name__ == "__main__":
