@@ -224,7 +224,7 @@ class TorchRunner:
             tokens.append([0] * pad + list(r.token_ids))
             positions.append([-1] * pad + list(range(r.start, r.start + len(r.token_ids))))
         kv_len = max(r.start + len(r.token_ids) for r in rows)
-        if self.device.type == "cpu":  # see CPU_KEY_BLOCK
+        if self.device.type == "cpu" and not first_chunk:  # see CPU_KEY_BLOCK; a first chunk reads its own keys only
             kv_len = min(-(-kv_len // CPU_KEY_BLOCK) * CPU_KEY_BLOCK, self.cache.max_blocks * self.cache.block_size)
         position_ids = torch.tensor(positions, device=self.device)
         batch_rows = torch.tensor([r.row for r in rows], device=self.device)
