@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it n
 log = logging.getLogger("rbee_worker")
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+DEFAULT_MASTER_PORT = 29500  # torchrun's, for --nnodes above 1 without --master-port
 
 
 class Parser(argparse.ArgumentParser):
@@ -272,11 +273,46 @@ def build_parser() -> Parser:
         type=bounded(int, 1),
         default=1,
         metavar="N",
-        help="split the model over N processes that this one starts (default 1: none), joined by torch.distributed: "
-        "attention heads, key/value heads and the MLP are split, each an N-th on each process (N must divide them). "
-        "This version runs on the CPU (gloo; each process gets the physical cores / N threads unless --threads is "
-        "given), on the torch runtime, with float weights only; CUDA (NCCL, cuda:0..N-1) is untested, CUDA graphs "
-        "and --compile are off",
+        help="split the model over N processes in all (default 1: none), which this one starts (N / --nnodes on "
+        "each node), joined by torch.distributed: attention heads, key/value heads and the MLP are split, each an "
+        "N-th on each process (N must divide them). This version runs on the CPU (gloo; each process gets the "
+        "physical cores / the node's ranks threads unless --threads is given), on the torch runtime, with float "
+        "weights only; CUDA (NCCL, cuda:0..N-1 or --devices) is untested, CUDA graphs and --compile are off",
+    )
+    parallel.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="the CUDA devices of this node's ranks, comma separated (2,3: rank 0 on cuda:2, rank 1 on cuda:3); "
+        "one per rank on this node (default: from --device's index upward)",
+    )
+    parallel.add_argument(
+        "--nnodes",
+        type=bounded(int, 1),
+        default=1,
+        metavar="K",
+        help="nodes (hosts) the N ranks are spread over, N / K on each (default 1); each node runs this command with "
+        "its own --node-rank, the same --tensor-parallel, --nnodes, --master-addr, --master-port and model",
+    )
+    parallel.add_argument(
+        "--node-rank",
+        type=bounded(int, 0),
+        default=0,
+        metavar="R",
+        help="this node's number, 0..K-1 (default 0); node 0 serves HTTP and reports to the pool manager, the others "
+        "bind no port and only run their ranks until node 0 stops",
+    )
+    parallel.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="node 0's address that every node reaches, for torch.distributed's TCP rendezvous (default 127.0.0.1)",
+    )
+    parallel.add_argument(
+        "--master-port",
+        type=bounded(int, 1, 65535),
+        default=None,
+        metavar="PORT",
+        help="the rendezvous port on node 0 (default: 29500 with --nnodes above 1, else a free port)",
     )
     http = serve.add_argument_group("HTTP and pool manager")
     http.add_argument("--worker-id", help="default: <host name>-<port>")
@@ -401,6 +437,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from rbee_worker.listener import bind, is_loopback
 
     check_runtime_flags(args)
+    check_nodes(args)
+    if args.node_rank > 0:
+        return run_node(args)
     token = os.environ.get("LLORCH_API_TOKEN") or None
     if token is None and not is_loopback(args.host) and not args.allow_unauthenticated:
         fail(
@@ -415,11 +454,10 @@ def run_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: exit_at_once(0))
     from rbee_worker.config import WorkerConfig
-    from rbee_worker.devices import resolve_placement
     from rbee_worker.models.loader import check_runtime
     from rbee_worker.server import serve
 
-    placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    placement, devices = serve_placement(args)
     check_runtime(args.runtime, placement.device)
     if args.tensor_parallel > 1:
         check_tensor_parallel(args, placement)
@@ -446,6 +484,11 @@ def run_serve(args: argparse.Namespace) -> int:
         heartbeat_url=args.heartbeat_url,
         heartbeat_interval_s=args.heartbeat_interval,
         tensor_parallel=args.tensor_parallel,
+        devices=devices,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port or (DEFAULT_MASTER_PORT if args.nnodes > 1 else None),
         log_level=args.log_level,
         log_format=args.log_format,
     )
@@ -455,20 +498,97 @@ def run_serve(args: argparse.Namespace) -> int:
     exit_at_once(0)
 
 
+def check_nodes(args: argparse.Namespace) -> None:
+    """--nnodes / --node-rank against --tensor-parallel: usage errors before anything starts."""
+    world, nnodes = args.tensor_parallel, args.nnodes
+    if world % nnodes:
+        fail(
+            f"--tensor-parallel {world} does not spread evenly over --nnodes {nnodes}: --tensor-parallel counts the "
+            "ranks of all nodes, and must be a multiple of --nnodes",
+            EXIT_USAGE,
+        )
+    if args.node_rank >= nnodes:
+        fail(f"--node-rank {args.node_rank} is not below --nnodes {nnodes}: nodes are 0..{nnodes - 1}", EXIT_USAGE)
+
+
+def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ...] | None]":
+    """This node's first rank's placement and --devices, checked (one-line usage errors, exit 2): --devices names
+    CUDA devices the machine has, one per rank on this node; with it, the first rank runs on the first of them."""
+    from rbee_worker.devices import Placement, resolve_placement
+
+    placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    if args.devices is None:
+        return placement, None
+    import torch
+
+    from rbee_worker.engine.tensor_parallel import check_devices, parse_devices
+
+    try:
+        devices = parse_devices(args.devices)
+        count = torch.cuda.device_count() if placement.device.type == "cuda" else 0
+        check_devices(devices, args.tensor_parallel // args.nnodes, placement.device.type, count)
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    return Placement(torch.device("cuda", devices[0]), placement.dtype), devices
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """`serve --node-rank R` (R > 0): this node's ranks of a worker whose node 0 serves HTTP; no port is bound. It
+    returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
+    from rbee_worker.engine.tensor_parallel import Ranks, Topology
+
+    placement, devices = serve_placement(args)
+    if args.tensor_parallel > 1:
+        check_tensor_parallel(args, placement)
+    topology = Topology(
+        args.tensor_parallel,
+        f"tcp://{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}",
+        args.nnodes,
+        args.node_rank,
+        devices,
+    )
+    ranks = Ranks(
+        topology,
+        placement,
+        args.model,
+        quantize_for(args, placement),
+        args.max_context,
+        engine_config(args, placement).threads,
+        args.log_level,
+        args.log_format,
+    )
+
+    def stop(*_: object) -> None:
+        log.info("node %d: stopping its ranks", args.node_rank)
+        ranks.kill()
+        exit_at_once(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    code = ranks.wait()
+    if code == 0:
+        log.info("node %d: its ranks have stopped with node 0", args.node_rank)
+    exit_at_once(code)
+
+
 def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> None:
     """--tensor-parallel N with what this version cannot split or run is a usage error, before any process starts:
     a device other than the CPU or CUDA GPUs, --quantize int8/int4, --compile, and a model whose attention heads,
     key/value heads or intermediate size do not divide by N (read from its config, without its weights)."""
     from rbee_worker.models.tensor_parallel import check_divisible, read_model_config
 
-    world, device = args.tensor_parallel, placement.device
+    world, device, per_node = args.tensor_parallel, placement.device, args.tensor_parallel // args.nnodes
     if device.type not in ("cpu", "cuda"):
         fail(f"--tensor-parallel runs on the CPU or CUDA GPUs, not on {device}: use --device cpu", EXIT_USAGE)
-    if device.type == "cuda":
+    if device.type == "cuda" and args.devices is None:  # --devices is checked against the machine in serve_placement
         import torch
 
-        if (device.index or 0) + world > torch.cuda.device_count():
-            fail(f"--tensor-parallel {world} needs {world} GPUs from {device}: this machine has fewer", EXIT_USAGE)
+        if (device.index or 0) + per_node > torch.cuda.device_count():
+            fail(
+                f"--tensor-parallel {world} needs {per_node} GPUs on this node from {device}: this machine has fewer "
+                "(or name them with --devices)",
+                EXIT_USAGE,
+            )
     if args.quantize in ("int8", "int4"):
         fail(
             f"--tensor-parallel splits float weights only in this version: --quantize {args.quantize} cannot go "
@@ -483,13 +603,13 @@ def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> N
 
 def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineConfig":
     """The engine's settings from `serve`'s flags; under --tensor-parallel N on a CPU, each process's threads are the
-    physical cores / N unless --threads is given."""
+    physical cores / the ranks on this node (N / --nnodes) unless --threads is given."""
     import psutil
 
     from rbee_worker.engine.config import EngineConfig
 
     threads = args.threads
-    world = getattr(args, "tensor_parallel", 1)
+    world = getattr(args, "tensor_parallel", 1) // getattr(args, "nnodes", 1)  # the processes on this node
     if threads is None and world > 1 and placement.device.type == "cpu":
         threads = max(1, (psutil.cpu_count(logical=False) or 1) // world)
     return EngineConfig(

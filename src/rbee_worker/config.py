@@ -33,7 +33,15 @@ class WorkerConfig:
     callback_timeout_s: float
     heartbeat_url: str | None
     heartbeat_interval_s: float
-    # Tensor parallelism: the model split over this many processes (engine/tensor_parallel.py); their logs as rank 0.
+    # Tensor parallelism (engine/tensor_parallel.py): the model split over this many processes in all, spread evenly
+    # over `nnodes` nodes (this one is `node_rank`: 0 serves HTTP, the others only run their ranks), joined at
+    # master_addr:master_port (None: a free port, on one node); `devices`: each local rank's CUDA device index (None:
+    # from placement's index upward). Their logs as rank 0's.
     tensor_parallel: int = 1
+    devices: tuple[int, ...] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     log_level: str = "info"
     log_format: str | None = None

@@ -62,6 +62,9 @@ class ReadyPayload:
     device: str
     runtime: str  # what runs the model: torch or llama.cpp
     cpu: dict[str, object]  # cpu_features.CpuFeatures.describe(): what the worker's CPU paths are chosen by
+    # Every process's device, in rank order: [device] in one process, one per rank under tensor parallelism (whose
+    # vram_bytes and memory_bytes are the sums over the ranks).
+    devices: list[str] | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -74,6 +77,7 @@ class ReadyPayload:
             "memory_bytes": self.memory_bytes,
             "backend": self.backend,
             "device": self.device,
+            "devices": self.devices if self.devices is not None else [self.device],
             "runtime": self.runtime,
             "cpu": self.cpu,
         }

@@ -156,7 +156,9 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         engine = Engine(lambda: ranks.load(load), config.engine, observer=metrics, runner=ranks.runner)
         ranks.watch(lambda reason: rank_failed(engine, ranks, reason))
     state = WorkerState(engine=engine, worker_id=worker_id, config=config, progress=progress)
-    metrics.watch(engine, lambda: state.model_name)
+    if ranks is not None:
+        state.devices = lambda: ranks.devices
+    metrics.watch(engine, lambda: state.model_name, rank_memory(engine, ranks))
     app = build_app(state, metrics)
     server_config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
@@ -239,6 +241,7 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
                 memory_bytes=memory,
                 backend=loaded.info.device.type,
                 device=str(loaded.info.device),
+                devices=state.devices() if state.devices else [str(loaded.info.device)],
                 runtime=loaded.info.runtime,
                 cpu=cpu_features().describe(),
             )
@@ -311,12 +314,16 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
 
 
 def start_ranks(config: WorkerConfig) -> "Ranks":
-    """Under --tensor-parallel N: ranks 1..N-1 started now (engine/tensor_parallel.py), so that they load while this
-    process, rank 0, loads."""
-    from rbee_worker.engine.tensor_parallel import Ranks
+    """Under --tensor-parallel N: this node's other ranks started now (engine/tensor_parallel.py), so that they load
+    while this process, rank 0, loads; the other nodes' ranks join at the rendezvous."""
+    from rbee_worker.engine.tensor_parallel import Ranks, Topology, free_port
 
+    port = config.master_port or free_port(config.master_addr)
+    topology = Topology(
+        config.tensor_parallel, f"tcp://{config.master_addr}:{port}", config.nnodes, config.node_rank, config.devices
+    )
     return Ranks(
-        config.tensor_parallel,
+        topology,
         config.placement,
         config.model,
         config.quantize,
@@ -325,6 +332,20 @@ def start_ranks(config: WorkerConfig) -> "Ranks":
         config.log_level,
         config.log_format,
     )
+
+
+def rank_memory(engine: Engine, ranks: "Ranks | None") -> Callable[[], list[tuple[str, int]]]:
+    """Each rank's device and memory bytes, in rank order, for /metrics (one rank without tensor parallelism)."""
+
+    def read() -> list[tuple[str, int]]:
+        if not engine.is_loaded:
+            return []
+        if ranks is None:
+            return [(str(engine.loaded.info.device), engine.memory_bytes())]
+        memory = ranks.memory_bytes()
+        return list(zip(ranks.devices, memory, strict=True)) if memory else []
+
+    return read
 
 
 def rank_failed(engine: Engine, ranks: "Ranks", reason: str) -> None:

@@ -130,10 +130,13 @@ class Metrics:
             registry=registry,
         )
 
-    def watch(self, engine: Engine, model_name: Callable[[], str]) -> None:
-        """Read the gauges and the engine's counters at each scrape; label every series with `model_name()`."""
+    def watch(
+        self, engine: Engine, model_name: Callable[[], str], ranks: Callable[[], list[tuple[str, int]]] | None = None
+    ) -> None:
+        """Read the gauges and the engine's counters at each scrape; label every series with `model_name()`.
+        `ranks`: each rank's device and memory bytes, in rank order (tensor parallelism: every process's)."""
         self.model_name = model_name
-        self.registry.register(EngineGauges(engine, model_name))
+        self.registry.register(EngineGauges(engine, model_name, ranks))
 
     def refused(self, status: int, reason: str) -> None:
         """A request answered `status` before any job ran (called on the HTTP thread)."""
@@ -172,9 +175,12 @@ class EngineGauges(Collector):
     """The gauges and the counters the engine keeps itself (prefix cache, preemptions), read from the engine at each
     scrape and labelled with the model name of that moment."""
 
-    def __init__(self, engine: Engine, model_name: Callable[[], str]) -> None:
+    def __init__(
+        self, engine: Engine, model_name: Callable[[], str], ranks: Callable[[], list[tuple[str, int]]] | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.ranks = ranks
 
     def collect(self) -> Iterator[Metric]:
         engine, name = self.engine, self.model_name()
@@ -215,6 +221,15 @@ class EngineGauges(Collector):
         memory.add_metric([name, "weights"], engine.loaded.info.weight_bytes if engine.is_loaded else 0)
         memory.add_metric([name, "kv_cache"], engine.kv_cache_bytes())
         yield memory
+        by_rank = GaugeMetricFamily(
+            "rbee:rank_memory_bytes",
+            "Memory each process holds (weights and KV cache; under tensor parallelism one series per rank), by rank "
+            "and device; their sum is rbee:memory_bytes' parts",
+            labels=["model_name", "rank", "device"],
+        )
+        for rank, (device, held) in enumerate(self.ranks() if self.ranks is not None else []):
+            by_rank.add_metric([name, str(rank), device], held)
+        yield by_rank
 
 
 def gauge(metric: str, documentation: str, model_name: str, value: float) -> GaugeMetricFamily:

@@ -113,6 +113,7 @@ def native_router(state: WorkerState) -> APIRouter:
             "worker_id": state.worker_id,
             "model": state.model_ref,
             "device": str(info.device),
+            "devices": state.devices() if state.devices else [str(info.device)],
             "dtype": str(info.dtype).removeprefix("torch."),
             "vram_bytes": memory if info.device.type == "cuda" else 0,
             "memory_bytes": memory,

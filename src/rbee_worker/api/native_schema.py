@@ -25,9 +25,10 @@ class Health(BaseModel):
     state: Literal["idle", "busy"] | None = None
     model: str | None = None
     device: str | None = None  # where the model runs: cpu, cuda:0, mps
+    devices: list[str] | None = None  # every process's device, in rank order (more than one: tensor parallelism)
     dtype: str | None = None  # what the model computes in (bfloat16, float32, ...); quantized weights keep their types
     vram_bytes: int | None = None  # memory_bytes on a GPU, 0 elsewhere (CONTRACT.md §2): device says which
-    memory_bytes: int | None = None  # weights + KV cache, measured (on a GPU: what torch has allocated)
+    memory_bytes: int | None = None  # weights + KV cache, measured (on a GPU: what torch has allocated); all ranks
     weight_bytes: int | None = None  # the weights as held (llama.cpp: llama_model_size)
     kv_cache_bytes: int | None = None  # the KV cache in memory (llama.cpp, GPU: all of it, allocated at start)
     runtime: Literal["torch", "llama.cpp"] | None = None  # what runs the model (--runtime)

@@ -28,6 +28,7 @@ class WorkerState:
     config: WorkerConfig
     progress: LoadProgress = field(default_factory=LoadProgress)
     request_shutdown: Callable[[], None] = lambda: None  # POST /shutdown; the server sets it
+    devices: Callable[[], list[str]] | None = None  # every rank's device (tensor parallelism); the server sets it
     draining: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time: /v1/models' `created`
     jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end

@@ -1,16 +1,19 @@
-"""A tensor-parallel rank beyond rank 0: `python -m rbee_worker.engine.tp_rank`, started by rank 0's Ranks
-(engine/tensor_parallel.py), never by hand.
+"""A tensor-parallel rank beyond rank 0: `python -m rbee_worker.engine.tp_rank`, started by its node's Ranks
+(engine/tensor_parallel.py: rank 0's process on node 0, `serve --node-rank R` on another node), never by hand.
 
-It reads its RankSetup from stdin, joins the ranks' process group, loads the model and cuts its shard, then takes the
-RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them) and runs each Forward that
-rank 0 sends down the pipe over its shard, until the pipe closes (rank 0 has stopped: this rank exits 0). It never
-samples and keeps no request state: rank 0 does. It exits too when its parent process is gone (killed, say) while it
-loads or computes, so that no rank outlives the worker. It ignores SIGINT and SIGTERM, which a terminal or a
+It reads its RankSetup from stdin, joins the ranks' process group (and the control group), loads the model and cuts
+its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them) and
+runs each Forward that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes;
+a rank on another node receives them on the control group, until rank 0's Stop. Either way rank 0 has stopped and
+this rank exits 0; a broadcast that fails or times out (rank 0 gone, or silent past CONTROL_TIMEOUT) makes it exit 1.
+It never samples and keeps no request state: rank 0 does. It exits too when its parent process is gone (killed, say)
+while it loads or computes, so that no rank outlives the worker. It ignores SIGINT and SIGTERM, which a terminal or a
 supervisor sends to every process of the group: rank 0 drains on them, then ends the other ranks.
 
 --rank and --world on the command line are for `ps` only; the setup on stdin is what counts.
 """
 
+import contextlib
 import logging
 import os
 import pickle
@@ -18,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from typing import BinaryIO
 
 log = logging.getLogger("rbee_worker.tp_rank")
 
@@ -32,7 +34,18 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     import torch
 
-    from rbee_worker.engine.tensor_parallel import FollowerRunner, Forward, RankSetup, RunnerSetup, join, load_shard
+    from rbee_worker.engine.tensor_parallel import (
+        FollowerRunner,
+        Forward,
+        Ping,
+        RankSetup,
+        RunnerSetup,
+        Stop,
+        control_group,
+        join,
+        load_shard,
+        receive,
+    )
     from rbee_worker.logs import configure_logging
     from rbee_worker.models.loader import load_model
 
@@ -50,30 +63,42 @@ def main() -> None:
 
     try:
         join(setup.rank, setup.world, setup.init_method, setup.placement)
+        group = control_group(setup.world, setup.per_node)
     except Exception:  # rank 0 waits for this rank to join: its watcher sees the exit and stops the worker
         log.exception("tensor-parallel rank %d could not join rank 0", setup.rank)
         os._exit(1)
+
+    def next_message() -> object:
+        """Rank 0's next message: from the control group on another node, else from the pipe (its end: Stop)."""
+        if group is not None and setup.rank >= setup.per_node:
+            return receive(group)
+        try:
+            return pickle.load(pipe)
+        except EOFError:
+            return Stop()
+
     try:
-        loaded = load_shard(setup.rank, setup.world, load)
-    except Exception:  # rank 0 heard of it (load_shard) and reports it: wait for it to close the pipe
+        loaded, _ = load_shard(setup.rank, setup.world, load, str(setup.placement.device))
+    except Exception:  # rank 0 heard of it (load_shard) and reports it: wait for it to stop
         log.debug("rank %d: the load failed", setup.rank, exc_info=True)
-        _read_to_end(pipe)
+        with contextlib.suppress(Exception):
+            while not isinstance(next_message(), Stop):
+                pass
         os._exit(2)
     try:
-        runner_setup: RunnerSetup = pickle.load(pipe)
-    except EOFError:  # rank 0 stopped before it made its runner
-        os._exit(0)
-    runner = FollowerRunner(loaded, runner_setup.config, runner_setup.kv)
-    try:
+        runner_setup = next_message()
+        if isinstance(runner_setup, Stop):  # rank 0 stopped before it made its runner
+            os._exit(0)
+        assert isinstance(runner_setup, RunnerSetup), runner_setup
+        runner = FollowerRunner(loaded, runner_setup.config, runner_setup.kv)
         with torch.inference_mode():
-            while True:
-                try:
-                    forward: Forward = pickle.load(pipe)
-                except EOFError:
-                    break
-                runner.run(forward)
+            while not isinstance(message := next_message(), Stop):
+                if isinstance(message, Forward):
+                    runner.run(message)
+                else:
+                    assert isinstance(message, Ping), message
     except Exception:
-        log.exception("tensor-parallel rank %d failed; it stops (and with it the worker)", setup.rank)
+        log.exception("tensor-parallel rank %d failed or lost rank 0; it stops (and with it the worker)", setup.rank)
         os._exit(1)
     # os._exit: nothing to clean up, and the process group's teardown could wait on ranks that are gone.
     os._exit(0)
@@ -89,11 +114,6 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="rbee-parent-watch", daemon=True).start()
-
-
-def _read_to_end(pipe: BinaryIO) -> None:
-    while pipe.read(1 << 16):
-        pass
 
 
 if __name__ == "__main__":
