@@ -30,15 +30,18 @@ every forward's rows carry).
 Off under tensor parallelism for now, rather than half supported: CUDA graphs and torch.compile (no all-reduce is
 captured in a graph yet), and decode steps launched ahead or chained (each step is finished when `launch` returns).
 
-What rank 0 reports for all ranks (/health, the ready callback, /metrics): each rank's device and weight bytes,
-gathered once when the shards are loaded (`load_shard`); its KV cache is rank 0's, since every rank holds the same
-number of blocks of as many key/value heads.
+What rank 0 reports for all ranks (/health, the ready callback, /metrics): each rank's device, weight bytes and
+memory, gathered once when every rank has made its runner (`runner_reports`); a rank's KV cache is as large as rank
+0's, since every rank holds the same number of blocks of as many key/value heads.
 
 Faults: a rank on rank 0's node that exits is seen within a fraction of a second (Ranks' watcher, polling the
 processes); a rank on another node fails the next Ping (at most PING_S later while idle) or the forward's collective
 it was in (gloo sees the closed connection at once). Either way the worker stops; a forward that fails on rank 0
 leaves the ranks' collectives out of step, so it stops the worker too (DeviceFault). The other ranks end with rank 0:
-its pipe closes or its Stop arrives (or its broadcast fails), and each also watches its parent process.
+its pipe closes or its Stop arrives (or its broadcast fails), and each also watches its parent process. Not covered
+yet: on NCCL, a rank on another node lost in the middle of a forward leaves the others in that forward's all-reduce
+until NCCL's own timeout (GROUP_TIMEOUT), since no Ping goes out during a forward; the engine's stall check
+(--stall-timeout) reports it on /health meanwhile.
 """
 
 import contextlib
@@ -161,10 +164,12 @@ class Stop:
 
 @dataclass(frozen=True)
 class RankReport:
-    """What each rank tells every other once its shard is loaded: its device, its shard's weight bytes, its error."""
+    """What each rank tells every other: once its shard is loaded, its device and its error (`load_shard`); once its
+    runner is made, also its weight bytes as prepared for serving and its memory (`runner_reports`)."""
 
     device: str
-    weight_bytes: int
+    weight_bytes: int = 0
+    memory_bytes: int = 0
     error: str | None = None
 
 
@@ -239,11 +244,7 @@ def load_shard(
         loaded = shard_loaded(load(), rank, world)
     except Exception as exc:  # reported to every rank below
         error = exc
-    own = RankReport(
-        device,
-        0 if loaded is None else loaded.info.weight_bytes,
-        None if error is None else f"rank {rank} could not load the model: {error}",
-    )
+    own = RankReport(device, error=None if error is None else f"rank {rank} could not load the model: {error}")
     reports: list[RankReport | None] = [None] * world
     dist.all_gather_object(reports, own)
     if error is not None:
@@ -252,6 +253,15 @@ def load_shard(
         raise ModelLoadError(failed)
     assert loaded is not None and all(report is not None for report in reports)
     return loaded, [report for report in reports if report is not None]
+
+
+def runner_reports(world: int, runner: TorchRunner, device: str) -> list[RankReport]:
+    """Every rank's report once its runner is made (one gather, on every rank in the same place: right after the
+    RunnerSetup): the weights as the runner prepared them (packed for oneDNN, say) and its memory then."""
+    own = RankReport(device, runner.loaded.info.weight_bytes, runner.memory_bytes())
+    reports: list[RankReport | None] = [None] * world
+    dist.all_gather_object(reports, own)
+    return [report if report is not None else RankReport(device) for report in reports]
 
 
 def serving_config(config: EngineConfig) -> EngineConfig:
@@ -489,8 +499,9 @@ class TensorParallelRunner:
             ranks.send(RunnerSetup(config, kv))
         self.ranks = ranks
         self.local = TorchRunner(loaded, config, kv)
-        # What the worker reports: the weights of every rank's shard (each rank's own figure, gathered at load).
-        info = dataclasses.replace(loaded.info, weight_bytes=sum(r.weight_bytes for r in ranks.reports))
+        ranks.reports = runner_reports(ranks.world, self.local, str(self.local.device))
+        # What the worker reports: the weights of every rank's shard, as each rank measured them.
+        info = dataclasses.replace(self.local.loaded.info, weight_bytes=sum(r.weight_bytes for r in ranks.reports))
         self.loaded = dataclasses.replace(self.local.loaded, info=info)
         self.kv, self.vocab_size = kv, self.local.vocab_size
 
@@ -547,7 +558,9 @@ class TensorParallelRunner:
             out_of_step = f"a forward failed on rank 0, which leaves the ranks out of step: {_first_line(exc)}"
             if self.ranks.group is not None:
                 out_of_step += " (a rank on another node may be gone)"
-            raise DeviceFault(self.ranks.lost(LOST_WAIT_S) or out_of_step) from exc
+            reason = self.ranks.lost(LOST_WAIT_S) or out_of_step
+            self.ranks.failure = self.ranks.failure or reason  # no Stop then: rank 0's exit ends the other nodes' ranks
+            raise DeviceFault(reason) from exc
 
     # -- the rest --------------------------------------------------------------------------------------------------
 
@@ -566,9 +579,13 @@ class TensorParallelRunner:
         return self.local.memory_bytes() + sum(self.rank_memory_bytes()[1:])
 
     def rank_memory_bytes(self) -> list[int]:
-        """Each rank's memory, in rank order: rank 0's measured, the others' weights plus rank 0's KV bytes."""
+        """Each rank's memory, in rank order: rank 0's measured now; another rank's on a GPU as it measured it once
+        its runner was made (its KV pool allocated then), elsewhere its weights plus rank 0's touched KV bytes now."""
+        others = self.ranks.reports[1:]
+        if self.local.device.type == "cuda":
+            return [self.local.memory_bytes()] + [report.memory_bytes for report in others]
         kv = self.local.kv_bytes()
-        return [self.local.memory_bytes()] + [report.weight_bytes + kv for report in self.ranks.reports[1:]]
+        return [self.local.memory_bytes()] + [report.weight_bytes + kv for report in others]
 
     def close(self) -> None:
         self.local.close()

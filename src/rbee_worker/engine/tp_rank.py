@@ -2,8 +2,8 @@
 (engine/tensor_parallel.py: rank 0's process on node 0, `serve --node-rank R` on another node), never by hand.
 
 It reads its RankSetup from stdin, joins the ranks' process group (and the control group), loads the model and cuts
-its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them) and
-runs each Forward that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes;
+its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them),
+makes its runner, tells every rank its weights and memory (one gather), and runs each Forward that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes;
 a rank on another node receives them on the control group, until rank 0's Stop. Either way rank 0 has stopped and
 this rank exits 0; a broadcast that fails or times out (rank 0 gone, or silent past CONTROL_TIMEOUT) makes it exit 1.
 It never samples and keeps no request state: rank 0 does. It exits too when its parent process is gone (killed, say)
@@ -45,6 +45,7 @@ def main() -> None:
         join,
         load_shard,
         receive,
+        runner_reports,
     )
     from rbee_worker.logs import configure_logging
     from rbee_worker.models.loader import load_model
@@ -91,6 +92,7 @@ def main() -> None:
             os._exit(0)
         assert isinstance(runner_setup, RunnerSetup), runner_setup
         runner = FollowerRunner(loaded, runner_setup.config, runner_setup.kv)
+        runner_reports(setup.world, runner, str(setup.placement.device))
         with torch.inference_mode():
             while not isinstance(message := next_message(), Stop):
                 if isinstance(message, Forward):
