@@ -45,7 +45,8 @@ PAYLOAD = ReadyPayload(
     cpu={"arch": "x86_64", "isa": "avx2", "flags": ["avx", "avx2", "f16c", "fma"], "bf16": "emulated", "forced": None},
 )
 CONTRACT_KEYS = {
-    "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "runtime", "cpu"
+    "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "devices", "runtime",
+    "cpu",
 }  # fmt: skip
 
 

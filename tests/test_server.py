@@ -48,6 +48,7 @@ HEALTH_KEYS = {
     "worker_id",
     "model",
     "device",
+    "devices",
     "dtype",
     "vram_bytes",
     "memory_bytes",
@@ -60,7 +61,8 @@ HEALTH_KEYS = {
     "runtime",
 }
 READY_KEYS = {
-    "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "runtime", "cpu"
+    "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "devices", "runtime",
+    "cpu",
 }  # fmt: skip
 BEAT_KEYS = {"worker_id", "timestamp", "health_status", "state"}
 CANCEL_LATENCY_S = 1.0  # the brief's bound for "the stream ends / the slot is free after a cancel"
