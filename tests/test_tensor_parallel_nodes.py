@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 from conftest import cli, make_tiny_model
-from serving import Manager, free_port, launch
+from serving import Manager, free_port, launch, read_rest, sse_events, take_tokens
 from test_load_errors import assert_error
 
 from rbee_worker.devices import Placement
@@ -181,7 +181,10 @@ def test_two_nodes_give_one_process_greedy_tokens_and_stop_together(tmp_path: Pa
                 process.wait()
 
 
-def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_model: Path) -> None:
+@pytest.mark.parametrize("when", ["idle", "generating"])
+def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_model: Path, when: str) -> None:
+    """Node 1 killed while node 0 idles (its next Ping fails) or in the middle of a generation (the forward's
+    all-reduce fails): /health 503 `unhealthy` naming the lost node, then exit non-zero within seconds."""
     master_port = free_port()
     node1 = start_node(tiny_tp_model, 1, master_port, tmp_path / "node1.stderr")
     node0 = launch(tmp_path, *node_flags(tiny_tp_model, master_port))
@@ -206,7 +209,18 @@ def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_
         time.sleep(2.5)  # idle past a few Pings: node 1 stays, node 0 stays healthy
         assert node1.poll() is None and node0.process.poll() is None
         killed_at = time.monotonic()
-        node1.kill()  # the node's process; its rank follows it (it watches its parent)
+        if when == "idle":
+            node1.kill()  # the node's process; its rank follows it (it watches its parent)
+        else:
+            with httpx.Client(base_url=node0.url, timeout=60) as client:
+                body = {"job_id": "long", "prompt": "hi", "max_tokens": 400}
+                with client.stream("POST", "/execute", json=body) as response:
+                    events = sse_events(response)
+                    take_tokens(events, 3)
+                    killed_at = time.monotonic()
+                    node1.kill()
+                    terminal = read_rest(response, events).terminal
+            assert terminal["type"] == "error", terminal
         code = node0.process.wait(timeout=20)
         took = time.monotonic() - killed_at
         stop.set()
@@ -218,7 +232,8 @@ def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_
         unhealthy = [body for status, body in seen if status == 503 and body.get("status") == "unhealthy"]
         assert unhealthy, statuses[-5:]
         assert "another node" in unhealthy[0]["message"], unhealthy[0]
-        assert "tensor-parallel rank on another node is gone" in node0.stderr()
+        if when == "idle":
+            assert "tensor-parallel rank on another node is gone" in node0.stderr()
         assert wait_gone(ranks, 5) == []
     finally:
         for process in (node0.process, node1):
