@@ -294,6 +294,7 @@ class Ranks:
         self._lock = threading.Lock()  # one message (and its forward) at a time
         self._last_sent = time.monotonic()
         self._on_failure: Callable[[str], None] | None = None
+        self._failing = threading.Lock()  # `failure` is set from the watcher, the Ping thread and the engine thread
         self._runner: TensorParallelRunner | None = None
         self.processes: dict[int, subprocess.Popen[bytes]] = {}  # by global rank
         first = topology.first
@@ -371,8 +372,9 @@ class Ranks:
                 dist.broadcast_object_list([message], src=0, group=self.group)
             except Exception as exc:  # a rank on another node is gone (its connection closed) or silent
                 reason = f"a tensor-parallel rank on another node is gone: {_first_line(exc)}"
-                self._fail(reason)
-                raise DeviceFault(self.failure or reason) from exc
+                with self._failing:  # the watcher reports it (not this thread, which holds the ranks)
+                    self.failure = self.failure or reason
+                raise DeviceFault(self.failure) from exc
         self._last_sent = time.monotonic()
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
@@ -381,22 +383,21 @@ class Ranks:
         self._on_failure = on_failure
 
         def poll() -> None:
-            while not self._closing.is_set() and self.failure is None:
-                if (reason := self.lost()) is not None:
-                    self._fail(reason, force=True)
+            while not self._closing.is_set():
+                if (reason := self.lost()) is not None:  # also a failure that another thread recorded
+                    self._fail(reason)
                     return
                 time.sleep(POLL_S)
 
         threading.Thread(target=poll, name="rbee-ranks", daemon=True).start()
 
-    def _fail(self, reason: str, force: bool = False) -> None:
-        """Record why the ranks broke (the first reason stays) and tell the watcher once."""
-        first = self.failure is None
-        if first:
-            self.failure = reason
-        if (first or force) and not self._closing.is_set() and self._on_failure is not None:
+    def _fail(self, reason: str) -> None:
+        """Record why the ranks broke (the first reason stays) and tell the watcher, once, unless they are closing."""
+        with self._failing:
+            failure = self.failure = self.failure or reason
             callback, self._on_failure = self._on_failure, None
-            callback(self.failure or reason)
+        if callback is not None and not self._closing.is_set():
+            callback(failure)
 
     def _ping(self) -> None:
         """Rank 0's Pings on the control group, every PING_S that nothing else went out (see the module)."""
@@ -408,7 +409,7 @@ class Ranks:
                 if not self._closing.is_set():
                     self.send(Ping())
             except DeviceFault:
-                return  # reported through _fail
+                return  # recorded in `failure`: the watcher reports it
             finally:
                 self._lock.release()
 
