@@ -9,6 +9,7 @@
 - Reports: /health, the ready callback and /metrics name every rank's device and sum their memory.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -181,13 +182,15 @@ def test_two_nodes_give_one_process_greedy_tokens_and_stop_together(tmp_path: Pa
                 process.wait()
 
 
-@pytest.mark.parametrize("when", ["idle", "generating"])
+@pytest.mark.parametrize("when", ["idle", "generating", "stopped"])
 def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_model: Path, when: str) -> None:
     """Node 1 killed while node 0 idles (its next Ping fails) or in the middle of a generation (the forward's
-    all-reduce fails): /health 503 `unhealthy` naming the lost node, then exit non-zero within seconds."""
+    all-reduce fails), or its rank stopped (SIGSTOP: no connection closes, its heartbeat stops): /health 503
+    `unhealthy` naming the lost rank, then exit non-zero within seconds, never a wait in a collective."""
     master_port = free_port()
     node1 = start_node(tiny_tp_model, 1, master_port, tmp_path / "node1.stderr")
     node0 = launch(tmp_path, *node_flags(tiny_tp_model, master_port))
+    ranks: list[int] = []
     try:
         node0.wait_healthy()
         ranks = descendants(node1.pid)
@@ -211,6 +214,9 @@ def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_
         killed_at = time.monotonic()
         if when == "idle":
             node1.kill()  # the node's process; its rank follows it (it watches its parent)
+        elif when == "stopped":
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
         else:
             with httpx.Client(base_url=node0.url, timeout=60) as client:
                 body = {"job_id": "long", "prompt": "hi", "max_tokens": 400}
@@ -226,16 +232,19 @@ def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_
         stop.set()
         poller.join()
         assert code != 0, node0.stderr()
-        assert took < 10, took  # within seconds: the next Ping fails, not a collective's timeout
+        assert took < (25 if when == "stopped" else 10), took  # not a collective's timeout (30 minutes)
         statuses = [(status, body.get("status")) for status, body in seen]
         assert statuses[0] == (200, "healthy")
         unhealthy = [body for status, body in seen if status == 503 and body.get("status") == "unhealthy"]
         assert unhealthy, statuses[-5:]
-        assert "another node" in unhealthy[0]["message"], unhealthy[0]
-        if when == "idle":
-            assert "tensor-parallel rank on another node is gone" in node0.stderr()
-        assert wait_gone(ranks, 5) == []
+        expected = {"stopped": "rank 1 has sent no heartbeat", "idle": "tensor-parallel rank on another node is gone"}
+        assert expected.get(when, "another node") in unhealthy[0]["message"], unhealthy[0]
+        if when != "stopped":
+            assert wait_gone(ranks, 5) == []
     finally:
+        for pid in ranks if when == "stopped" else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for process in (node0.process, node1):
             if process.poll() is None:
                 process.kill()

@@ -36,17 +36,21 @@ memory, gathered once when every rank has made its runner (`runner_reports`); a 
 
 Faults: a rank on rank 0's node that exits is seen within a fraction of a second (Ranks' watcher, polling the
 processes); a rank on another node fails the next Ping (at most PING_S later while idle) or the forward's collective
-it was in (gloo sees the closed connection at once). Either way the worker stops; a forward that fails on rank 0
-leaves the ranks' collectives out of step, so it stops the worker too (DeviceFault). The other ranks end with rank 0:
-its pipe closes or its Stop arrives (or its broadcast fails), and each also watches its parent process. Not covered
-yet: on NCCL, a rank on another node lost in the middle of a forward leaves the others in that forward's all-reduce
-until NCCL's own timeout (GROUP_TIMEOUT), since no Ping goes out during a forward; the engine's stall check
-(--stall-timeout) reports it on /health meanwhile.
+it was in (gloo sees the closed connection at once). A rank that stops without closing anything (a stopped process,
+a host cut off, a hang), which would leave rank 0 in a collective until GROUP_TIMEOUT, misses its heartbeats: every
+rank beyond 0 adds to a counter in the rendezvous store every BEAT_S from a thread of its own, which runs while the
+rank computes or waits in a collective, and Ranks' watcher takes a counter that stands still for BEAT_TIMEOUT_S for a
+lost rank. However it is seen, the worker stops (server.rank_failed: through the engine, or at once if the engine
+itself is stuck in a collective); a forward that fails on rank 0 leaves the ranks' collectives out of step, so it
+stops the worker too (DeviceFault). The other ranks end with rank 0: its pipe closes or its Stop arrives (or its
+broadcast fails, or the store, which lives in rank 0's process, stops answering their beats), and each also watches
+its parent process.
 """
 
 import contextlib
 import dataclasses
 import logging
+import os
 import pickle
 import socket
 import subprocess
@@ -91,6 +95,11 @@ PING_S = 1.0  # how long rank 0 leaves the control group without a message
 # How long a rank on another node waits on the control group before it takes rank 0 for gone (a host that vanished
 # without closing its connections); a Ping comes every PING_S while rank 0 is idle.
 CONTROL_TIMEOUT = timedelta(seconds=30)
+# Every rank beyond 0 adds 1 to its counter in the rendezvous store (hosted by rank 0) every BEAT_S, from a thread of
+# its own, so that it beats while it computes or waits in a collective; rank 0 takes a rank whose counter has not
+# moved for BEAT_TIMEOUT_S for lost (a stopped process, a host gone without closing its connections).
+BEAT_S = 1.0
+BEAT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,56 @@ def control_group(world: int, per_node: int) -> dist.ProcessGroup | None:
     if per_node == world:
         return None
     return dist.new_group([0, *range(per_node, world)], timeout=CONTROL_TIMEOUT, backend="gloo")
+
+
+def beat_key(rank: int) -> str:
+    return f"rbee/beat/{rank}"
+
+
+def start_beating(rank: int) -> None:
+    """This rank's heartbeat (after `join`): a thread that adds to its counter in the store every BEAT_S, and ends
+    the process when the store, which lives in rank 0's process, is gone."""
+    store = dist.distributed_c10d._get_default_store()
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(beat_key(rank), 1)
+            except Exception as exc:  # rank 0, and the store with it, is gone
+                time.sleep(BEAT_S)  # unless it stopped the ranks first (its Stop, or the pipe's end: exit 0)
+                log.error("tensor-parallel rank %d lost rank 0 (%s); it stops", rank, _first_line(exc))
+                os._exit(1)
+            time.sleep(BEAT_S)
+
+    threading.Thread(target=beat, name="rbee-rank-beat", daemon=True).start()
+
+
+class Beats:
+    """Rank 0's view of the other ranks' heartbeats: `silent()` names a rank whose counter has not moved for
+    BEAT_TIMEOUT_S."""
+
+    def __init__(self, world: int) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        now = time.monotonic()
+        self.seen: dict[int, tuple[int, float]] = {rank: (-1, now) for rank in range(1, world)}
+        self.checked = 0.0
+
+    def silent(self) -> str | None:
+        now = time.monotonic()
+        if now - self.checked < BEAT_S:
+            return None
+        self.checked = now
+        for rank, (count, since) in self.seen.items():
+            try:
+                current = self.store.add(beat_key(rank), 0)
+            except Exception:  # the store is rank 0's own: it fails only as the process ends
+                return None
+            if current != count:
+                self.seen[rank] = (current, now)
+            elif now - since > BEAT_TIMEOUT_S:
+                silence = f"{now - since:.0f} s"
+                return f"tensor-parallel rank {rank} has sent no heartbeat for {silence} (stopped, or its host is gone)"
+        return None
 
 
 def receive(group: dist.ProcessGroup) -> object:
@@ -383,8 +442,11 @@ class Ranks:
         self._on_failure = on_failure
 
         def poll() -> None:
+            beats: Beats | None = None
             while not self._closing.is_set():
-                if (reason := self.lost()) is not None:  # also a failure that another thread recorded
+                if beats is None and self._runner is not None:  # every rank beats from its join; checked from here
+                    beats = Beats(self.world)
+                if (reason := self.lost() or (beats and beats.silent())) is not None:  # also one another thread set
                     self._fail(reason)
                     return
                 time.sleep(POLL_S)

@@ -1,14 +1,16 @@
 """A tensor-parallel rank beyond rank 0: `python -m rbee_worker.engine.tp_rank`, started by its node's Ranks
 (engine/tensor_parallel.py: rank 0's process on node 0, `serve --node-rank R` on another node), never by hand.
 
-It reads its RankSetup from stdin, joins the ranks' process group (and the control group), loads the model and cuts
-its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them),
-makes its runner, tells every rank its weights and memory (one gather), and runs each Forward that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes;
-a rank on another node receives them on the control group, until rank 0's Stop. Either way rank 0 has stopped and
-this rank exits 0; a broadcast that fails or times out (rank 0 gone, or silent past CONTROL_TIMEOUT) makes it exit 1.
-It never samples and keeps no request state: rank 0 does. It exits too when its parent process is gone (killed, say)
-while it loads or computes, so that no rank outlives the worker. It ignores SIGINT and SIGTERM, which a terminal or a
-supervisor sends to every process of the group: rank 0 drains on them, then ends the other ranks.
+It reads its RankSetup from stdin, joins the ranks' process group (and the control group), starts its heartbeat
+(engine/tensor_parallel.py: a counter in rank 0's rendezvous store, which also ends this rank once rank 0 is gone),
+loads the model and cuts its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as
+rank 0 decided them), makes its runner, tells every rank its weights and memory (one gather), and runs each Forward
+that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes; a rank on another
+node receives them on the control group, until rank 0's Stop. Either way rank 0 has stopped and this rank exits 0; a
+broadcast that fails or times out (rank 0 gone, or silent past CONTROL_TIMEOUT) makes it exit 1. It never samples
+and keeps no request state: rank 0 does. It exits too when its parent process is gone (killed, say) while it loads or
+computes, so that no rank outlives the worker. It ignores SIGINT and SIGTERM, which a terminal or a supervisor sends
+to every process of the group: rank 0 drains on them, then ends the other ranks.
 
 --rank and --world on the command line are for `ps` only; the setup on stdin is what counts.
 """
@@ -46,6 +48,7 @@ def main() -> None:
         load_shard,
         receive,
         runner_reports,
+        start_beating,
     )
     from rbee_worker.logs import configure_logging
     from rbee_worker.models.loader import load_model
@@ -64,6 +67,7 @@ def main() -> None:
 
     try:
         join(setup.rank, setup.world, setup.init_method, setup.placement)
+        start_beating(setup.rank)
         group = control_group(setup.world, setup.per_node)
     except Exception:  # rank 0 waits for this rank to join: its watcher sees the exit and stops the worker
         log.exception("tensor-parallel rank %d could not join rank 0", setup.rank)
