@@ -1,16 +1,20 @@
-"""Shared fixtures: the real demo model, a safetensors directory built from it, and tiny random-weight models."""
+"""Shared fixtures: the real demo model, a safetensors directory built from it, tiny random-weight models, and the demo
+workers that the API tests share."""
 
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import cli_forks
+import httpx
 import pytest
 import torch
+from serving import Worker, launch
 
 from rbee_worker.models.demo import cache_dir, demo_model_path
 from rbee_worker.models.llama_cpp_model import llama_cpp_installed
@@ -26,6 +30,9 @@ RUNTIMES = ["torch"] if os.environ.get("RBEE_CPU_ISA") else ["torch", pytest.par
 
 # Bump when the way the derived directory is built changes, so stale caches are not reused.
 HF_DIR_VERSION = "1"
+# The bearer token of the shared demo workers (LLORCH_API_TOKEN): every client of theirs sends it.
+SHARED_TOKEN = "test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {SHARED_TOKEN}"}
 
 
 @pytest.fixture(scope="session")
@@ -138,12 +145,28 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Pa
     }
 
 
-def cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `rbee-worker` as a real process; `env` adds to (or overrides) this process's environment."""
+def cli(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, fork: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run `rbee-worker` as a real process; `env` adds to (or overrides) this process's environment.
+
+    fork: the process is forked from the session's CLI zygote (tests/cli_forks.py), which has imported torch and
+    transformers once, saving their ~5 s of imports per command, unless `env` changes a variable read at import
+    (then a fresh process, as without fork). For commands whose import time the test does not measure."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if fork and (zygote := cli_forks.shared()).can_run(full_env):
+        return zygote.run_in(full_env, args, timeout)
     return subprocess.run(
         [sys.executable, "-m", "rbee_worker", *args], capture_output=True, text=True, timeout=timeout, env=full_env
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def close_shared_zygote() -> Iterator[None]:
+    """Ends the session's CLI zygote (cli_forks.shared) after the last test, if one was started."""
+    yield
+    if cli_forks.shared.cache_info().currsize:
+        cli_forks.shared().close()
 
 
 def greedy(engine, prompt_ids: Sequence[int], max_tokens: int):
@@ -257,3 +280,63 @@ def penalty_state(vocab: int, generator: torch.Generator) -> tuple["SamplerState
         torch.rand(state.counts.shape, generator=generator) < 0.01
     )
     return state, torch.tensor([4, 2, 0, 3, 1, 2])
+
+
+class SharedWorkers:
+    """One `rbee-worker serve --runtime R` on the demo per runtime, with default flags and SHARED_TOKEN, started when a
+    test first asks for it and stopped (exit 0 on SIGTERM asserted) when the session ends.
+
+    A start costs 5-15 s on a 2-core CPU; the API tests of several modules (test_openai, test_server,
+    test_structured_output, test_tools, test_clients, test_json_bodies, test_access_log, test_load's soak) only send
+    requests to a worker with default flags, and share these. Sharing is safe for them because the tests run one at a
+    time and each leaves the worker idle; what a worker keeps between requests is what one module's tests already
+    saw of each other: its prefix cache (compared outputs compute their prompts the same way, or come from the same
+    cached state: README, Determinism), the grammar cache, and the counters of /metrics, which those tests read as
+    deltas. What a fresh worker reports (the 503s while it loaded, its first /health) is kept in `loading_bodies`
+    and `first_health`. A test that changes flags or the environment, kills, drains or stalls a worker, or counts
+    from zero, starts its own.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._workers: dict[str, Worker] = {}
+        self.first_health: dict[str, dict] = {}
+
+    def get(self, runtime: str) -> Worker:
+        worker = self._workers.get(runtime)
+        if worker is None:
+            worker = launch(self._log_dir, "--runtime", runtime, env={"LLORCH_API_TOKEN": SHARED_TOKEN}, fork=True)
+            self._workers[runtime] = worker  # stopped at the end even if it never becomes healthy
+            worker.wait_healthy()
+            self.first_health[runtime] = httpx.get(f"{worker.url}/health", timeout=10).json()
+        elif worker.process.poll() is not None:
+            pytest.fail(f"the shared {runtime} worker exited with {worker.process.returncode}:\n{worker.stderr()}")
+        return worker
+
+    def close(self) -> None:
+        codes = {runtime: worker.stop() for runtime, worker in self._workers.items()}
+        failed = {runtime: code for runtime, code in codes.items() if code != 0}
+        assert not failed, "\n".join(f"{r}: exit {c}\n{self._workers[r].stderr()}" for r, c in failed.items())
+
+
+@pytest.fixture(scope="session")
+def shared_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWorkers]:
+    workers = SharedWorkers(tmp_path_factory.mktemp("shared-workers"))
+    try:
+        yield workers
+    finally:
+        workers.close()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules with tests that use the shared workers run last, one after another, each in its own order: the
+    shared workers (about 4.5 GiB resident together, most of it llama.cpp's KV cache) then live from the first of
+    them to the session's end, not beside every other module's workers."""
+    sharing = {item.path for item in items if "shared_workers" in getattr(item, "fixturenames", ())}
+    items[:] = [item for item in items if item.path not in sharing] + [item for item in items if item.path in sharing]
+
+
+def default_runtime() -> str:
+    """What `--runtime auto` picks for the demo GGUF on the CPU: llama.cpp where llama-cpp-python is installed."""
+    return "llama.cpp" if llama_cpp_installed() else "torch"

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import cli_forks
 import httpx
 import pytest
 
@@ -42,7 +43,7 @@ def free_port() -> int:
 class Worker:
     """A `rbee-worker serve` process; its stderr goes to a file so that a full pipe can never stall it."""
 
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | cli_forks.ForkedProcess
     port: int
     stderr_path: Path
     loading_bodies: list[dict[str, Any]] = field(default_factory=list)  # the 503 bodies seen while it loaded
@@ -86,26 +87,36 @@ class Worker:
 
 
 def launch(
-    log_dir: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None, fault: str | None = None
+    log_dir: Path,
+    *flags: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    fault: str | None = None,
+    fork: bool = False,
 ) -> Worker:
-    """`rbee-worker serve` on the demo; `fault`: with that fault injected (see tests/fault_worker.py)."""
+    """`rbee-worker serve` on the demo; `fault`: with that fault injected (see tests/fault_worker.py). `fork`: forked
+    from the session's zygote (cli_forks.shared), which has imported torch and transformers, unless `env` changes a
+    variable read at import: about 5 s less per start, for tests that do not watch the imports (their time, a signal
+    during them)."""
     port = port or free_port()
     stderr_path = log_dir / f"worker-{port}-{uuid.uuid4().hex[:6]}.stderr"
+    args = ("serve", "--model", "demo", "--port", str(port), *flags)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if fork and fault is None and (zygote := cli_forks.shared()).can_run(full_env):
+        stderr_path.touch()
+        return Worker(zygote.spawn(full_env, args, stderr_path), port, stderr_path)
     program = ["-m", "rbee_worker"] if fault is None else [str(Path(__file__).with_name("fault_worker.py")), fault]
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(
-            [sys.executable, *program, "serve", "--model", "demo", "--port", str(port), *flags],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            [sys.executable, *program, *args], stdout=subprocess.DEVNULL, stderr=stderr, env=full_env
         )
     return Worker(process, port, stderr_path)
 
 
 @contextlib.contextmanager
-def running(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Worker]:
-    """A healthy worker for the block; it must then exit 0 on SIGTERM."""
-    worker = launch(log_dir, *flags, env=env)
+def running(log_dir: Path, *flags: str, env: dict[str, str] | None = None, fork: bool = False) -> Iterator[Worker]:
+    """A healthy worker for the block (`fork`: see launch); it must then exit 0 on SIGTERM."""
+    worker = launch(log_dir, *flags, env=env, fork=fork)
     try:
         worker.wait_healthy()
         yield worker

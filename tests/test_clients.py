@@ -8,19 +8,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import SHARED_TOKEN, SharedWorkers
 from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-from serving import DEMO_NAME, Worker, running
+from serving import DEMO_NAME, Worker
 from test_structured_output import BEE_ASK, BEE_MAX_TOKENS, HOT, Bee
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """torch's runtime only: the grammar is the same on both runtimes (test_structured_output.py runs the openai client
-    on each); what is tested here is the client's side."""
-    with running(tmp_path_factory.mktemp("clients"), "--runtime", "torch") as worker:
-        yield worker
+def worker(shared_workers: SharedWorkers) -> Worker:
+    """The session's shared torch worker (default flags, SHARED_TOKEN): torch's runtime only, since the grammar is the
+    same on both runtimes (test_structured_output.py runs the openai client on each); what is tested here is the
+    client's side."""
+    return shared_workers.get("torch")
 
 
 def is_loopback(host: Any) -> bool:
@@ -63,7 +64,7 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
 def chat_model(worker: Worker, max_tokens: int) -> ChatOpenAI:
     return ChatOpenAI(
         base_url=f"{worker.url}/v1",
-        api_key="unused",
+        api_key=SHARED_TOKEN,
         model=DEMO_NAME,
         temperature=HOT,
         seed=5,

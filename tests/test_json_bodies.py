@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from serving import DEMO_NAME, read_rest, running
+from conftest import AUTH, SharedWorkers, default_runtime
+from serving import DEMO_NAME, read_rest
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +17,10 @@ WHERE = "body is not valid JSON: Expecting value (line 2, column 16)"
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with running(tmp_path_factory.mktemp("bodies")) as worker, httpx.Client(base_url=worker.url, timeout=120) as http:
+def http(shared_workers: SharedWorkers) -> Iterator[httpx.Client]:
+    """On the session's shared worker of the default runtime (default flags, SHARED_TOKEN)."""
+    worker = shared_workers.get(default_runtime())
+    with httpx.Client(base_url=worker.url, timeout=120, headers=AUTH) as http:
         yield http
 
 

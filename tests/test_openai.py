@@ -1,5 +1,6 @@
 """The OpenAI-compatible API through the official `openai` client, against a real worker process with the demo model
-(with LLORCH_API_TOKEN set: the client's api_key is the bearer token); /tokenize, /detokenize and /metrics over HTTP."""
+(the session's shared worker of each runtime, conftest.SharedWorkers, with LLORCH_API_TOKEN set: the client's api_key
+is the bearer token); /tokenize, /detokenize and /metrics over HTTP."""
 
 import time
 from collections.abc import Iterator
@@ -8,13 +9,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import RUNTIMES, cli
+from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers, cli
 from prometheus_client.parser import text_string_to_metric_families
 from serving import DEMO_NAME, EOS_PROMPT, PROMPT, Worker, running
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "test-token-0123456789"
+TOKEN = SHARED_TOKEN
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 BLOCK_SIZE = 16  # --block-size's default: the prefix cache finds whole blocks
 
@@ -25,9 +26,8 @@ def runtime(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, runtime: str) -> Iterator[Worker]:
-    with running(tmp_path_factory.mktemp("openai"), "--runtime", runtime, env={"LLORCH_API_TOKEN": TOKEN}) as worker:
-        yield worker
+def worker(shared_workers: SharedWorkers, runtime: str) -> Worker:
+    return shared_workers.get(runtime)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def client(worker: Worker) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def http(worker: Worker) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=worker.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+    with httpx.Client(base_url=worker.url, timeout=120, headers=AUTH) as client:
         yield client
 
 
@@ -137,7 +137,7 @@ def test_seed_gives_the_same_sample_in_another_worker_process(
         return completion.choices[0].message.content
 
     first = sample(client)
-    with running(tmp_path, "--runtime", runtime, env={"LLORCH_API_TOKEN": TOKEN}) as second:
+    with running(tmp_path, "--runtime", runtime, env={"LLORCH_API_TOKEN": TOKEN}, fork=True) as second:
         other = openai.OpenAI(base_url=f"{second.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
         assert sample(other) == first
 
@@ -269,7 +269,15 @@ def test_metrics_move_by_exactly_the_requests_made(client: openai.OpenAI, http: 
     assert after[f"rbee:time_to_first_token_seconds_bucket{{{model},le=+Inf}}"] == ttft_count
 
 
-def test_chat_template_matches_transformers(demo_gguf: Path, demo_hf_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def gguf_reference(demo_gguf: Path):
+    """transformers' own GGUF tokenizer of the demo file (seconds to build: once for the module)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name)
+
+
+def test_chat_template_matches_transformers(demo_gguf: Path, demo_hf_dir: Path, gguf_reference) -> None:
     """The prompt our loaders' tokenizers render equals transformers' apply_chat_template on the same model: from
     the HF directory, and from the GGUF file against transformers' own GGUF tokenizer."""
     from transformers import AutoTokenizer
@@ -289,10 +297,7 @@ def test_chat_template_matches_transformers(demo_gguf: Path, demo_hf_dir: Path) 
     ]
     pairs = [
         (load_tokenizer(demo_hf_dir), AutoTokenizer.from_pretrained(demo_hf_dir)),
-        (
-            build_tokenizer(read_gguf(demo_gguf).metadata),
-            AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name),
-        ),
+        (build_tokenizer(read_gguf(demo_gguf).metadata), gguf_reference),
     ]
     for ours, theirs in pairs:
         for messages in conversations:
@@ -323,11 +328,9 @@ def test_non_streaming_client_that_leaves_cancels_its_job(worker: Worker, http: 
         time.sleep(0.02)
 
 
-def test_tokenized_chat_equals_transformers_on_the_gguf(http: httpx.Client, demo_gguf: Path) -> None:
+def test_tokenized_chat_equals_transformers_on_the_gguf(http: httpx.Client, gguf_reference) -> None:
     """What the worker feeds the model for a chat equals transformers' own GGUF tokenizer + apply_chat_template."""
-    from transformers import AutoTokenizer
-
-    reference = AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name)
+    reference = gguf_reference
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
     rendered = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = reference(rendered, add_special_tokens=False)["input_ids"]
@@ -337,7 +340,7 @@ def test_tokenized_chat_equals_transformers_on_the_gguf(http: httpx.Client, demo
 def test_chat_template_override(tmp_path: Path) -> None:
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     template += "{% if add_generation_prompt %}[assistant] {% endif %}"
-    with running(tmp_path, "--chat-template", template) as worker, httpx.Client(base_url=worker.url) as http:
+    with running(tmp_path, "--chat-template", template, fork=True) as worker, httpx.Client(base_url=worker.url) as http:
         tokens = http.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
         text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert text == "[user] Name three colors.\n[assistant] "
@@ -346,7 +349,7 @@ def test_chat_template_override(tmp_path: Path) -> None:
 def test_invalid_chat_template_is_refused_at_start(tmp_path: Path) -> None:
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")
-    result = cli("serve", "--chat-template", str(broken), "--port", "0", timeout=60)
+    result = cli("serve", "--chat-template", str(broken), "--port", "0", timeout=60, fork=True)
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
     assert line.startswith("error: --chat-template is not a valid Jinja template"), line

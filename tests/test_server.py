@@ -1,8 +1,9 @@
 """`rbee-worker serve` end to end: a real server process on 127.0.0.1 with the demo model, driven over real sockets.
 
-Most tests share one server (module scope): each start costs several seconds on a small CPU machine. The pool-manager
-tests start their own workers against a real HTTP server in a thread that records what the worker sends. Request
-validation itself is unit-tested in test_validation.py; here only its wiring into HTTP is checked.
+Most tests send requests to the session's shared worker of each runtime (conftest.SharedWorkers: default flags, a
+bearer token): each start costs several seconds on a small CPU machine. The pool-manager tests start their own workers
+against a real HTTP server in a thread that records what the worker sends. Request validation itself is unit-tested in
+test_validation.py; here only its wiring into HTTP is checked.
 """
 
 import json
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import RUNTIMES, cli
+from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers, cli, default_runtime
 from serving import (
     DEMO_NAME,
     EOS_PROMPT,
@@ -32,7 +33,6 @@ from serving import (
     free_port,
     launch,
     read_rest,
-    running,
     sse_events,
     take_tokens,
 )
@@ -74,16 +74,14 @@ def runtime(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, runtime: str) -> Iterator[Worker]:
-    """One worker per runtime with default --worker-id and --model-ref, shared by the module; it must exit 0 on
-    SIGTERM."""
-    with running(tmp_path_factory.mktemp("server"), "--runtime", runtime) as worker:
-        yield worker
+def server(shared_workers: SharedWorkers, runtime: str) -> Worker:
+    """The session's shared worker of this runtime: default flags (--worker-id, --model-ref), LLORCH_API_TOKEN set."""
+    return shared_workers.get(runtime)
 
 
 @pytest.fixture(scope="module")
 def client(server: Worker) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
+    with httpx.Client(base_url=server.url, timeout=60, headers=AUTH) as http:
         yield http
 
 
@@ -93,7 +91,7 @@ def reference(runtime: str) -> dict[str, Any]:
     for the same request."""
     result = cli(
         "generate", "--model", "demo", "--runtime", runtime, "--prompt", PROMPT, "--max-tokens", "64",
-        "--temperature", "0", "--json",
+        "--temperature", "0", "--json", fork=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -141,14 +139,20 @@ def open_responses() -> Iterator[list[httpx.Response]]:
 # --- health and readiness ---------------------------------------------------------------------------------------------
 
 
-def test_health_reports_loading_then_healthy(server: Worker, client: httpx.Client, runtime: str) -> None:
+def test_health_reports_loading_then_healthy(
+    server: Worker, client: httpx.Client, runtime: str, shared_workers: SharedWorkers
+) -> None:
     # Loading the demo model takes about a second here and the poll runs every 20 ms: a 503 was always seen.
     assert server.loading_bodies, "never saw 503 while the model loaded: the port only answered once it was ready"
     for body in server.loading_bodies:
         assert body["status"] == "loading", body
     response = client.get("/health")
     assert response.status_code == 200
-    body = response.json()
+    assert set(response.json()) == HEALTH_KEYS, response.json()
+    assert response.json()["status"] == "healthy" and response.json()["state"] == "idle"
+    # The rest as the worker reported it right after it became healthy (the shared worker has served other tests
+    # since): nothing busy, no KV cache used, and on torch only the scratch block touched.
+    body = shared_workers.first_health[runtime]
     assert set(body) == HEALTH_KEYS, body
     assert body["status"] == "healthy" and body["state"] == "idle"
     assert (body["slots_busy"], body["kv_cache_usage_perc"]) == (0, 0) and body["slots_total"] == 16  # the default
@@ -446,6 +450,7 @@ def test_ready_callback_retried_then_heartbeats(tmp_path: Path, manager_factory:
         "--callback-url", f"{manager.url}/ready",
         "--heartbeat-url", f"{manager.url}/heartbeat",
         "--heartbeat-interval", "0.5",
+        fork=True,
     )  # fmt: skip
     try:
         worker.wait_healthy()
@@ -507,7 +512,7 @@ def test_ready_callback_retried_then_heartbeats(tmp_path: Path, manager_factory:
 
 def test_ready_callback_refused_exits_3(tmp_path: Path, manager_factory: ManagerFactory) -> None:
     manager = manager_factory([400])
-    worker = launch(tmp_path, "--callback-url", f"{manager.url}/ready")
+    worker = launch(tmp_path, "--callback-url", f"{manager.url}/ready", fork=True)
     try:
         code = worker.process.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -526,7 +531,7 @@ def test_absent_pool_manager_is_retried_until_the_callback_timeout_then_exit_3()
     then exits 3 with one line naming the URL."""
     url = f"http://127.0.0.1:{free_port()}/ready"
     started = time.monotonic()
-    result = cli("serve", "--port", "0", "--callback-url", url, "--callback-timeout", "3", timeout=120)
+    result = cli("serve", "--port", "0", "--callback-url", url, "--callback-timeout", "3", timeout=120, fork=True)
     elapsed = time.monotonic() - started
     assert result.returncode == 3, result.stderr
     [line] = error_lines(result.stderr)
@@ -537,37 +542,35 @@ def test_absent_pool_manager_is_retried_until_the_callback_timeout_then_exit_3()
 # -- auth and tracing ------------------------------------------------------------------------------------------------
 
 
-def test_bearer_auth_and_correlation_ids(tmp_path: Path) -> None:
-    token = "s3cret-token"
-    worker = launch(tmp_path, env={"LLORCH_API_TOKEN": token})
-    try:
-        worker.wait_healthy()  # /health needs no token
-        with httpx.Client(base_url=worker.url, timeout=60) as http:
-            missing = http.get("/v1/ready")
-            wrong = http.get("/v1/ready", headers={"Authorization": "Bearer nope"})
-            basic = http.post("/cancel", json={"job_id": "x"}, headers={"Authorization": f"Basic {token}"})
-            right = http.get("/v1/ready", headers={"Authorization": f"Bearer {token}"})
-            assert (missing.status_code, missing.json()["error"]["code"]) == (401, "MISSING_API_KEY")
-            assert (wrong.status_code, wrong.json()["error"]["code"]) == (401, "INVALID_API_KEY")
-            assert (basic.status_code, basic.json()["error"]["code"]) == (401, "MISSING_API_KEY")
-            assert right.status_code == 200 and right.json()["ready"] is True
-            streamed = http.post(
-                "/execute",
-                json={"job_id": "auth-1", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
-                headers={"Authorization": f"Bearer {token}"},
-            )
-            events = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines() if line]
-            assert streamed.status_code == 200 and events[-1]["type"] == "end"
+def test_bearer_auth_and_correlation_ids(shared_workers: SharedWorkers) -> None:
+    """On the shared worker of the default runtime, which runs with LLORCH_API_TOKEN set."""
+    token = SHARED_TOKEN
+    worker = shared_workers.get(default_runtime())
+    assert httpx.get(f"{worker.url}/health").status_code == 200  # /health needs no token
+    with httpx.Client(base_url=worker.url, timeout=60) as http:
+        missing = http.get("/v1/ready")
+        wrong = http.get("/v1/ready", headers={"Authorization": "Bearer nope"})
+        basic = http.post("/cancel", json={"job_id": "x"}, headers={"Authorization": f"Basic {token}"})
+        right = http.get("/v1/ready", headers={"Authorization": f"Bearer {token}"})
+        assert (missing.status_code, missing.json()["error"]["code"]) == (401, "MISSING_API_KEY")
+        assert (wrong.status_code, wrong.json()["error"]["code"]) == (401, "INVALID_API_KEY")
+        assert (basic.status_code, basic.json()["error"]["code"]) == (401, "MISSING_API_KEY")
+        assert right.status_code == 200 and right.json()["ready"] is True
+        streamed = http.post(
+            "/execute",
+            json={"job_id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        events = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines() if line]
+        assert streamed.status_code == 200 and events[-1]["type"] == "end"
 
-            given = str(uuid.uuid4()).upper()
-            echoed = http.get("/health", headers={"X-Correlation-ID": given})
-            assert echoed.headers["X-Correlation-ID"] == given
-            for bad in ("not-a-uuid", ""):
-                fresh = http.get("/health", headers={"X-Correlation-ID": bad}).headers["X-Correlation-ID"]
-                assert fresh != bad and uuid.UUID(fresh)
-            assert uuid.UUID(missing.headers["X-Correlation-ID"])  # also on refusals
-    finally:
-        assert worker.stop() == 0
+        given = str(uuid.uuid4()).upper()
+        echoed = http.get("/health", headers={"X-Correlation-ID": given})
+        assert echoed.headers["X-Correlation-ID"] == given
+        for bad in ("not-a-uuid", ""):
+            fresh = http.get("/health", headers={"X-Correlation-ID": bad}).headers["X-Correlation-ID"]
+            assert fresh != bad and uuid.UUID(fresh)
+        assert uuid.UUID(missing.headers["X-Correlation-ID"])  # also on refusals
 
 
 def test_non_loopback_host_needs_a_token() -> None:

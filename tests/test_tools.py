@@ -6,16 +6,15 @@ shows one, streamed deltas that concatenate to the non-streamed message."""
 
 import json
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import RUNTIMES
+from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers
 from pydantic import ValidationError
-from serving import DEMO_NAME, Worker, running
+from serving import DEMO_NAME
 from transformers import PreTrainedTokenizerFast
 
 from rbee_worker.api.openai_schema import ChatCompletionRequest
@@ -254,10 +253,10 @@ def test_tool_requests_that_are_refused(fields: dict[str, Any], fragment: str) -
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)
-def client(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
-    worker: Worker
-    with running(tmp_path_factory.mktemp("tools"), "--runtime", request.param) as worker:
-        yield openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(shared_workers: SharedWorkers, request: pytest.FixtureRequest) -> openai.OpenAI:
+    """On the session's shared worker of each runtime (default flags)."""
+    worker = shared_workers.get(request.param)
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key=SHARED_TOKEN, max_retries=0, timeout=120)
 
 
 def streamed(client: openai.OpenAI, **asked: Any) -> tuple[str | None, list[tuple[str, str]], str | None]:
@@ -341,7 +340,7 @@ def test_a_tools_schema_that_does_not_compile_is_a_400_naming_tools(client: open
             model=DEMO_NAME, messages=[{"role": "user", "content": "hi"}], tools=[bad], tool_choice="required"
         )
     assert caught.value.body["param"] == "tools", caught.value.body
-    with httpx.Client(base_url=str(client.base_url).removesuffix("/v1/"), timeout=30) as http:
+    with httpx.Client(base_url=str(client.base_url).removesuffix("/v1/"), timeout=30, headers=AUTH) as http:
         refused = http.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}
         )
