@@ -22,7 +22,7 @@ def tokenizer(demo_gguf: Path):
 
 
 def generate_json(*args: str) -> dict:
-    result = cli("generate", "--model", "demo", "--json", *args)
+    result = cli("generate", "--model", "demo", "--json", *args, fork=True)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 1, result.stdout
@@ -74,7 +74,7 @@ def test_seed_replays_and_stop_cuts() -> None:
 
 
 def test_context_overflow_is_a_usage_error() -> None:
-    result = cli("generate", "--model", "demo", "--prompt", "word " * 8000, "--max-tokens", "2048")
+    result = cli("generate", "--model", "demo", "--prompt", "word " * 8000, "--max-tokens", "2048", fork=True)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "context" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -88,7 +88,7 @@ def test_kv_cache_is_sized_for_the_one_request(runtime: str) -> None:
     max_tokens = 24
     result = cli(
         "generate", "--model", "demo", "--runtime", runtime, "--prompt", PROMPT, "--temperature", "0",
-        "--max-tokens", str(max_tokens),
+        "--max-tokens", str(max_tokens), fork=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = re.search(

@@ -136,7 +136,7 @@ def test_a_bfloat16_directory_generates_in_every_dtype_and_quantize_mode(
 def test_the_demo_file_generates_dequantized_in_every_dtype(demo_gguf: Path) -> None:
     for dtype in ("auto", "float32", "bfloat16", "float16"):
         result = cli("generate", "--model", str(demo_gguf), "--quantize", "none", "--dtype", dtype, "--json",
-                     "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0")  # fmt: skip
+                     "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0", fork=True)  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert "Paris" in json.loads(result.stdout)["text"], dtype
 
@@ -145,7 +145,7 @@ def test_the_demo_file_generates_dequantized_in_every_dtype(demo_gguf: Path) -> 
 @pytest.mark.parametrize(("dtype", "quantize"), [("auto", "auto"), ("bfloat16", "int4"), ("float32", "int8")])
 def test_a_bfloat16_directory_serves(demo_hf_bf16_dir: Path, tmp_path: Path, dtype: str, quantize: str) -> None:
     flags = ("--model", str(demo_hf_bf16_dir), "--dtype", dtype, "--quantize", quantize)
-    with running(tmp_path, *flags) as worker, httpx.Client(base_url=worker.url, timeout=60) as client:
+    with running(tmp_path, *flags, fork=True) as worker, httpx.Client(base_url=worker.url, timeout=60) as client:
         stream = execute(client, prompt=PROMPT, max_tokens=8, temperature=0)
         health = client.get("/health").json()
     assert stream.terminal["type"] == "end" and "Paris" in stream.text, stream.events

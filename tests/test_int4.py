@@ -164,7 +164,7 @@ def test_a_long_prompt_gives_the_logits_of_its_chunks(int4_demo) -> None:
 
 def test_generate_with_int4_through_the_cli() -> None:
     result = cli("generate", "--quantize", "int4", "--dtype", "bfloat16", "--prompt", PROMPTS[0], "--max-tokens", "8",
-                 "--temperature", "0")  # fmt: skip
+                 "--temperature", "0", fork=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
@@ -190,7 +190,7 @@ def test_auto_keeps_a_gguf_quantized_on_the_cpu_in_any_dtype(demo_gguf: Path, de
 
 
 def test_the_cli_keeps_a_gguf_quantized_by_default(demo_gguf: Path) -> None:
-    result = cli("generate", "--prompt", PROMPTS[0], "--max-tokens", "8", "--temperature", "0")
+    result = cli("generate", "--prompt", PROMPTS[0], "--max-tokens", "8", "--temperature", "0", fork=True)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     weights_mib = int(re.search(r"memory: (\d+) MiB weights", result.stderr).group(1))

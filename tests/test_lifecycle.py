@@ -41,7 +41,8 @@ LONG_PROMPT = "Once upon a time, in a small village by the sea, there lived an o
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    """One worker with small limits, shared by the tests below that leave it idle."""
+    """One worker with small limits, shared by the tests below that leave it idle. Not forked (serving.launch): its
+    ready line's time counts the imports (test_ready_line_reports_the_time_from_the_process_start)."""
     with running(
         tmp_path_factory.mktemp("tuned"),
         "--max-batch", "2",
@@ -68,7 +69,7 @@ def data_lines(response: httpx.Response) -> list[dict[str, Any] | str]:
 
 
 def test_loading_progress_counts_layers_then_ready(tmp_path: Path) -> None:
-    worker = launch(tmp_path)
+    worker = launch(tmp_path, fork=True)
     try:
         while True:  # until the port answers (imports done) while the model still loads
             assert worker.process.poll() is None, worker.stderr()
@@ -121,7 +122,7 @@ def test_ready_line_reports_the_time_from_the_process_start(tuned: Worker) -> No
 def deterministic_client(tmp_path: Path) -> Iterator[httpx.Client]:
     """A worker with the tuned one's slots and queue, in --deterministic mode."""
     flags = ("--max-batch", "2", "--max-queue", "1", "--max-context", str(MAX_CONTEXT), "--deterministic")
-    with running(tmp_path, *flags) as worker, httpx.Client(base_url=worker.url, timeout=120) as http:
+    with running(tmp_path, *flags, fork=True) as worker, httpx.Client(base_url=worker.url, timeout=120) as http:
         yield http
 
 
@@ -224,6 +225,7 @@ def test_heartbeat_says_degraded_while_the_engine_makes_no_progress(tmp_path: Pa
             "--stall-timeout", str(STALL_TIMEOUT_S),
             "--heartbeat-url", f"{manager.url}/beat",
             "--heartbeat-interval", "0.1",
+            fork=True,
         ) as worker, httpx.Client(base_url=worker.url, timeout=120) as http:  # fmt: skip
             stream = execute(http, prompt=LONG_PROMPT, max_tokens=2)
             assert stream.terminal["type"] == "end"
@@ -254,11 +256,11 @@ def test_kv_cache_memory_sets_the_context_or_refuses_to_start(tmp_path: Path) ->
     """--kv-cache-gb sizes one pool of KV blocks that every request draws on: with 1 GiB and --max-batch 32 the worker
     offers the demo's whole context (max_model_len 8192: one request fits), whatever --max-batch; a pool too small for
     a useful context is exit 2 (bf16 named, since `auto` depends on the CPU: 23,040 bytes per token)."""
-    with running(tmp_path, "--dtype", "bfloat16", "--max-batch", "32", "--kv-cache-gb", "1") as worker:
+    with running(tmp_path, "--dtype", "bfloat16", "--max-batch", "32", "--kv-cache-gb", "1", fork=True) as worker:
         models = httpx.get(f"{worker.url}/v1/models", timeout=10).json()["data"]
     assert {model["max_model_len"] for model in models} == {8192}
     refused = cli("serve", "--dtype", "bfloat16", "--max-batch", "4", "--kv-cache-gb", "0.001", "--port", "0",
-                  timeout=120)  # fmt: skip
+                  timeout=120, fork=True)  # fmt: skip
     assert refused.returncode == 2 and "KV cache" in refused.stderr, refused.stderr
     assert len(error_lines(refused.stderr)) == 1
 
@@ -308,7 +310,7 @@ def open_execute(http: httpx.Client, max_tokens: int) -> httpx.Response:
 def test_sigterm_lets_running_jobs_finish_then_sigint_cancels_the_rest(tmp_path: Path, runtime: str) -> None:
     """SIGTERM: new jobs get 503 DRAINING, /health 503 draining, two running jobs finish normally; a second signal
     (SIGINT) cancels the long job at once instead of waiting out --drain-timeout 60; exit code 0."""
-    worker = launch(tmp_path, "--drain-timeout", "60", "--runtime", runtime)
+    worker = launch(tmp_path, "--drain-timeout", "60", "--runtime", runtime, fork=True)
     worker.wait_healthy()
     with httpx.Client(base_url=worker.url, timeout=60) as http:
         short = [open_execute(http, 40) for _ in range(2)]
@@ -335,7 +337,7 @@ def test_sigterm_lets_running_jobs_finish_then_sigint_cancels_the_rest(tmp_path:
 
 
 def test_post_shutdown_cancels_what_outlives_the_drain_timeout(tmp_path: Path) -> None:
-    worker = launch(tmp_path, "--drain-timeout", "1")
+    worker = launch(tmp_path, "--drain-timeout", "1", fork=True)
     worker.wait_healthy()
     with httpx.Client(base_url=worker.url, timeout=60) as http:
         running = open_execute(http, LONG)
@@ -386,7 +388,7 @@ def test_stop_signals_while_loading_end_the_process_promptly(tmp_path: Path, sec
     """SIGINT while the model loads (as Ctrl-C): the load is cancelled and the process exits 0 within seconds, the
     server's end its last log line (nothing of the load after it); a second SIGINT, whenever it comes (during the
     load, the server's shutdown, or after it), ends it at once, exit 0, without an error or a traceback."""
-    worker = launch(tmp_path, "--log-format", "json")
+    worker = launch(tmp_path, "--log-format", "json", fork=True)
     while True:
         assert worker.process.poll() is None, worker.stderr()
         try:
@@ -421,7 +423,8 @@ def test_stop_signals_while_loading_end_the_process_promptly(tmp_path: Path, sec
 
 def test_wildcard_host_advertises_the_address_facing_the_pool_manager(tmp_path: Path) -> None:
     manager = Manager([200])
-    worker = launch(tmp_path, "--host", "0.0.0.0", "--allow-unauthenticated", "--callback-url", f"{manager.url}/ready")
+    flags = ("--host", "0.0.0.0", "--allow-unauthenticated", "--callback-url", f"{manager.url}/ready")
+    worker = launch(tmp_path, *flags, fork=True)
     try:
         [ready] = manager.wait_for("/ready", 1, timeout=120)
         assert ready.body["url"] == ready.body["uri"] == f"http://127.0.0.1:{worker.port}"  # not 0.0.0.0

@@ -23,7 +23,10 @@ NAME = "dashboard-name"  # --served-model-name: the reported name, the metrics' 
 def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     """One slot and no queue: a second job while one runs is refused with 503 ALL_SLOTS_BUSY."""
     flags = ("--max-batch", "1", "--max-queue", "0", "--served-model-name", NAME)
-    with running(tmp_path_factory.mktemp("metrics"), *flags) as worker, httpx.Client(base_url=worker.url) as http:
+    with (
+        running(tmp_path_factory.mktemp("metrics"), *flags, fork=True) as worker,
+        httpx.Client(base_url=worker.url) as http,
+    ):
         yield http
 
 

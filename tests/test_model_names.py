@@ -14,7 +14,7 @@ ALIASES = ("alias", "other-alias")
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    with running(tmp_path_factory.mktemp("names"), "--served-model-name", *ALIASES) as worker:
+    with running(tmp_path_factory.mktemp("names"), "--served-model-name", *ALIASES, fork=True) as worker:
         yield worker
 
 

@@ -661,6 +661,7 @@ def run_generate(model: Path) -> dict[str, Any]:
         "--json",
         "--dtype",
         "float32",  # the default on CPU is bfloat16; float32 makes the tokens comparable to the reference
+        fork=True,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

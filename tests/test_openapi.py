@@ -35,6 +35,7 @@ def tiny_worker(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
         "--max-batch", "64",
         "--max-queue", "512",
         "--unclaimed-job-timeout", "2",
+        fork=True,
     ) as worker:  # fmt: skip
         yield worker
 

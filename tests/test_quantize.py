@@ -91,7 +91,7 @@ def test_an_untied_lm_head_is_quantized_to_int8_per_row_on_cuda_only(tiny_models
 
 def test_quantized_directory_generates_through_the_cli(demo_hf_dir: Path) -> None:
     result = cli("generate", "--model", str(demo_hf_dir), "--quantize", "int8", "--dtype", "bfloat16",
-                 "--prompt", PROMPTS[0], "--max-tokens", "8", "--temperature", "0")  # fmt: skip
+                 "--prompt", PROMPTS[0], "--max-tokens", "8", "--temperature", "0", fork=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

@@ -424,7 +424,7 @@ def r1_client(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: Path) -> Ite
     template = directory / "r1.jinja"
     template.write_text(R1_TEMPLATE)
     flags = ("--model", str(tiny_qwen3), "--runtime", "torch", "--dtype", "float32", "--chat-template", str(template))
-    with running(directory, *flags) as worker:
+    with running(directory, *flags, fork=True) as worker:
         yield openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

@@ -50,7 +50,7 @@ def test_explicit_dtype_runs_on_torch_and_gives_transformers_float32_greedy_toke
     tokens are transformers' own on the weights dequantized by its GGUF loader, in float32."""
     result = cli(
         "generate", "--model", "demo", "--prompt", PROMPT, "--dtype", "float32", "--temperature", "0",
-        "--max-tokens", str(NEW_TOKENS), "--json", "--log-level", "info", "--log-format", "json",
+        "--max-tokens", str(NEW_TOKENS), "--json", "--log-level", "info", "--log-format", "json", fork=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     messages = [json.loads(line)["msg"] for line in result.stderr.splitlines() if line.startswith("{")]
@@ -140,7 +140,8 @@ def test_serve_under_auto_with_quantize_runs_on_torch(tmp_path: Path) -> None:
     """`serve --quantize none` on the demo GGUF on a CPU: /health reports the torch runtime, the log says why."""
     import httpx
 
-    with running(tmp_path, "--device", "cpu", "--quantize", "none", "--max-batch", "1", "--log-format", "json") as w:
+    flags = ("--device", "cpu", "--quantize", "none", "--max-batch", "1", "--log-format", "json")
+    with running(tmp_path, *flags, fork=True) as w:
         assert httpx.get(f"{w.url}/health", timeout=10).json()["runtime"] == "torch"
         messages = [json.loads(line)["msg"] for line in w.stderr().splitlines() if line.startswith("{")]
     reason = "runtime: torch, because --quantize none was given and the llama.cpp runtime keeps the GGUF file's types"
