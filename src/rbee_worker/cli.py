@@ -521,7 +521,7 @@ def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ..
         return placement, None
     import torch
 
-    from rbee_worker.engine.tensor_parallel import check_devices, parse_devices
+    from rbee_worker.engine.tp_ranks import check_devices, parse_devices
 
     try:
         devices = parse_devices(args.devices)
@@ -535,7 +535,7 @@ def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ..
 def run_node(args: argparse.Namespace) -> int:
     """`serve --node-rank R` (R > 0): this node's ranks of a worker whose node 0 serves HTTP; no port is bound. It
     returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
-    from rbee_worker.engine.tensor_parallel import Ranks, Topology
+    from rbee_worker.engine.tp_ranks import Ranks, Topology
 
     placement, devices = serve_placement(args)
     if args.tensor_parallel > 1:

@@ -33,7 +33,7 @@ class WorkerConfig:
     callback_timeout_s: float
     heartbeat_url: str | None
     heartbeat_interval_s: float
-    # Tensor parallelism (engine/tensor_parallel.py): the model split over this many processes in all, spread evenly
+    # Tensor parallelism (engine/tp_ranks.py): the model split over this many processes in all, spread evenly
     # over `nnodes` nodes (this one is `node_rank`: 0 serves HTTP, the others only run their ranks), joined at
     # master_addr:master_port (None: a free port, on one node); `devices`: each local rank's CUDA device index (None:
     # from placement's index upward). Their logs as rank 0's.

@@ -45,7 +45,7 @@ from rbee_worker.models.progress import LoadProgress
 from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_heartbeat, send_ready_callback
 
 if TYPE_CHECKING:  # torch.distributed, only under --tensor-parallel
-    from rbee_worker.engine.tensor_parallel import Ranks
+    from rbee_worker.engine.tp_ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     if ranks is None:
         engine = Engine(load, config.engine, observer=metrics)
     else:
-        engine = Engine(lambda: ranks.load(load), config.engine, observer=metrics, runner=ranks.runner)
+        from rbee_worker.engine.tensor_parallel import runner_factory
+
+        engine = Engine(lambda: ranks.load(load), config.engine, observer=metrics, runner=runner_factory(ranks))
         ranks.watch(lambda reason: rank_failed(engine, ranks, reason))
     state = WorkerState(engine=engine, worker_id=worker_id, config=config, progress=progress)
     if ranks is not None:
@@ -314,9 +316,9 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
 
 
 def start_ranks(config: WorkerConfig) -> "Ranks":
-    """Under --tensor-parallel N: this node's other ranks started now (engine/tensor_parallel.py), so that they load
+    """Under --tensor-parallel N: this node's other ranks started now (engine/tp_ranks.py), so that they load
     while this process, rank 0, loads; the other nodes' ranks join at the rendezvous."""
-    from rbee_worker.engine.tensor_parallel import Ranks, Topology, free_port
+    from rbee_worker.engine.tp_ranks import Ranks, Topology, free_port
 
     port = config.master_port or free_port(config.master_addr)
     topology = Topology(

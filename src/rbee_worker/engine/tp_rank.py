@@ -1,8 +1,8 @@
 """A tensor-parallel rank beyond rank 0: `python -m rbee_worker.engine.tp_rank`, started by its node's Ranks
-(engine/tensor_parallel.py: rank 0's process on node 0, `serve --node-rank R` on another node), never by hand.
+(engine/tp_ranks.py: rank 0's process on node 0, `serve --node-rank R` on another node), never by hand.
 
 It reads its RankSetup from stdin, joins the ranks' process group (and the control group), starts its heartbeat
-(engine/tensor_parallel.py: a counter in rank 0's rendezvous store, which also ends this rank once rank 0 is gone),
+(engine/tp_ranks.py: a counter in rank 0's rendezvous store, which also ends this rank once rank 0 is gone),
 loads the model and cuts its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as
 rank 0 decided them), makes its runner, tells every rank its weights and memory (one gather), and runs each Forward
 that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes; a rank on another
@@ -36,8 +36,8 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     import torch
 
-    from rbee_worker.engine.tensor_parallel import (
-        FollowerRunner,
+    from rbee_worker.engine.tensor_parallel import FollowerRunner, runner_reports
+    from rbee_worker.engine.tp_ranks import (
         Forward,
         Ping,
         RankSetup,
@@ -47,7 +47,6 @@ def main() -> None:
         join,
         load_shard,
         receive,
-        runner_reports,
         start_beating,
     )
     from rbee_worker.logs import configure_logging
