@@ -22,6 +22,7 @@ model run on in newlines and spaces until max_tokens.
 """
 
 import collections
+import functools
 import json
 import re
 import threading
@@ -170,17 +171,12 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.
     return [not matcher._dormant for matcher in matchers]
 
 
-_batch: "xgrammar.BatchGrammarMatcher | None" = None
-
-
+@functools.cache
 def _batch_matcher() -> "xgrammar.BatchGrammarMatcher":
     """xgrammar's batch filler (made once: it owns a thread pool of half the machine's hardware threads)."""
-    global _batch
-    if _batch is None:
-        import xgrammar
+    import xgrammar
 
-        _batch = xgrammar.BatchGrammarMatcher()
-    return _batch
+    return xgrammar.BatchGrammarMatcher()
 
 
 class Grammars:

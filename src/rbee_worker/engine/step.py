@@ -7,7 +7,7 @@ and the next step may chain onto it (see `Steps._decode`); any other runner's st
 and its tokens are taken at once.
 
 Structured output: a constrained sequence's next token must be drawn under the mask its grammar gives after its
-previous token, which the host fills (`Runner.mask`) once it has taken that token. Only the sampler needs the mask,
+previous token, which the host fills (`Runner.masks`) once it has taken that token. Only the sampler needs the mask,
 not the forward: a step whose constrained rows chain onto an uncollected step is launched with its sampling held
 (`Runner.launch(hold_sampling=True)`), the host takes the previous step's tokens and fills the masks while the device
 runs the forward, and then the sampler starts (`Runner.sample_held`), as SGLang's overlap scheduler does it. Taking
