@@ -1,8 +1,10 @@
 """Tensor parallelism on the CPU (issue 32's first slice): a model split over N gloo processes computes what the whole
 model computes.
 
-- The sharding itself (models/tensor_parallel.py): a tiny random Llama (12 heads, 6 key/value heads, biases
-  everywhere), cut over 2 and 3 processes that this test starts, gives the unsharded model's logits within 1e-5.
+- The sharding itself (models/tensor_parallel.py), each rank loading as a worker's rank does: a tiny random Llama (12
+  heads, 6 key/value heads, biases everywhere, a vocabulary that splits into padded shards), cut over 2 and 3
+  processes that this test starts, gives the unsharded model's logits within 1e-5; so does a tiny Qwen2 with 2
+  key/value heads over 4 ranks (each replicated on 2) and a tied LM head.
 - `serve --model demo --dtype float32 --tensor-parallel 3 --device cpu` gives token for token the greedy output of
   one process with `--dtype float32` (3 prompts x 48 tokens, sent together); SIGTERM then stops every rank.
 - What cannot be split or run is refused with one `error:` line, exit 2: the demo's 9 heads over 2 ranks, the
@@ -26,12 +28,14 @@ import torch
 from conftest import cli, make_tiny_model
 from serving import execute, free_port, launch, read_rest, running, sse_events, take_tokens
 from test_load_errors import assert_error
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-from rbee_worker.cli import build_parser, quantize_for, runtime_for
+from rbee_worker.cli.choices import quantize_for, runtime_for
+from rbee_worker.cli.flags import build_parser
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.tensor_parallel import check_divisible, read_model_config
+from rbee_worker.models.loader import load_model
+from rbee_worker.models.tensor_parallel import VocabShard, check_divisible, read_model_config
 
 PROMPTS = [
     "Once upon a time, in a small village by the sea,",
@@ -40,74 +44,110 @@ PROMPTS = [
 ]
 NEW_TOKENS = 48
 CPU = torch.device("cpu")
-# Run by each rank of the sharding test: rank, world, port, model directory, where rank 0 writes its logits.
-RANK_SCRIPT = """
+IDS = [[3, 17, 101, 5, 250, 42, 7, 9, 64, 128, 1, 2, 49000, 16400]]  # ids in every vocabulary shard of 2, 3 and 4
+# Run by each rank of the sharding tests: rank, world, port, MODEL, --quantize, where rank 0 writes its logits. The
+# rank loads and cuts its shard as a worker's rank does (tp_ranks.load_shard), then runs the whole model.
+RANK_SCRIPT = f"""
 import sys, torch, torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from rbee_worker.devices import Placement
 from rbee_worker.engine.kv_cache import kv_shape
-from rbee_worker.models.tensor_parallel import shard_model
-rank, world, port, directory, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+from rbee_worker.engine.tp_ranks import load_shard
+from rbee_worker.models.loader import load_model
+rank, world, port, spec, quantize, out = sys.argv[1:]
+rank, world = int(rank), int(world)
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-shard_model(model, rank, world)
-ids = torch.tensor([[3, 17, 101, 5, 250, 42, 7, 9, 64, 128, 1, 2]])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+load = lambda: load_model(spec, Placement(torch.device("cpu"), torch.float32), quantize=quantize, runtime="torch")
+loaded, _ = load_shard(rank, world, load, "cpu")
 with torch.inference_mode():
-    logits = model(input_ids=ids).logits
+    logits = loaded.model(input_ids=torch.tensor({IDS})).logits
 if rank == 0:
-    torch.save({"logits": logits, "kv_shape": kv_shape(model.config)}, out)
+    torch.save({{"logits": logits, "kv_shape": kv_shape(loaded.model.config)}}, out)
 dist.destroy_process_group()
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random Llama whose heads (12), key/value heads (6) and intermediate size (192) divide by 2 and by 3, with
-    random biases on every projection (the row-parallel layers must add theirs once)."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=12,
-        num_key_value_heads=6,
-        max_position_embeddings=128,
-        attention_bias=True,
-        mlp_bias=True,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(std=0.02)
-    directory = tmp_path_factory.mktemp("tiny-llama-tp")
-    model.save_pretrained(directory)
-    return directory
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_logits_equal_the_whole_models(tiny_llama: Path, tmp_path: Path, world: int) -> None:
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    ids = torch.tensor([[3, 17, 101, 5, 250, 42, 7, 9, 64, 128, 1, 2]])
+def whole_logits(spec: str, quantize: str = "none") -> torch.Tensor:
+    """The logits of IDS from MODEL loaded whole in one process, in float32 (as the ranks load it)."""
+    loaded = load_model(spec, Placement(CPU, torch.float32), quantize=quantize, runtime="torch")
     with torch.inference_mode():
-        expected = model(input_ids=ids).logits
+        return loaded.model(input_ids=torch.tensor(IDS)).logits
+
+
+def sharded(spec: str, world: int, tmp_path: Path, quantize: str = "none") -> dict:
+    """Rank 0's logits of IDS and its KV cache's shape, from MODEL cut over `world` gloo processes."""
     out, port = tmp_path / "logits.pt", str(free_port())
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(world), port, str(tiny_llama), str(out)],
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(world), port, spec, quantize, str(out)],
             stderr=subprocess.PIPE,
             text=True,
         )
         for rank in range(world)
     ]
     for rank in ranks:
-        _, stderr = rank.communicate(timeout=180)
+        _, stderr = rank.communicate(timeout=300)
         assert rank.returncode == 0, stderr
-    result = torch.load(out)
-    torch.testing.assert_close(result["logits"], expected, rtol=0, atol=1e-5)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    """A random Llama whose heads (12), key/value heads (6) and intermediate size (192) divide by 2 and by 3, with
+    random biases on every projection (the row-parallel layers must add theirs once), and a vocabulary of 49160,
+    which splits into neither 2 nor 3 shards of whole blocks of 64 (padded)."""
+    directory = make_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-tp"),
+        "llama",
+        demo_tokenizer_dir,
+        vocab_size=49160,
+        hidden_size=96,
+        intermediate_size=192,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(std=0.02)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_2_kv_heads(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    """A random Qwen2 with 8 attention heads and 2 key/value heads (so over 4 ranks each key/value head is on 2),
+    and its LM head tied to the embedding."""
+    directory = tmp_path_factory.mktemp("tiny-qwen2-tp")
+    return make_tiny_model(
+        directory, "qwen2", demo_tokenizer_dir, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_logits_equal_the_whole_models(tiny_llama: Path, tmp_path: Path, world: int) -> None:
+    result = sharded(str(tiny_llama), world, tmp_path)
+    torch.testing.assert_close(result["logits"], whole_logits(str(tiny_llama)), rtol=0, atol=1e-5)
     assert result["kv_shape"] == (6 // world, 8)  # the paged cache is sized for this rank's key/value heads only
+
+
+def test_key_value_heads_fewer_than_ranks_are_replicated(tiny_qwen2_2_kv_heads: Path, tmp_path: Path) -> None:
+    result = sharded(str(tiny_qwen2_2_kv_heads), 4, tmp_path)
+    torch.testing.assert_close(result["logits"], whole_logits(str(tiny_qwen2_2_kv_heads)), rtol=0, atol=1e-5)
+    assert result["kv_shape"] == (1, 8)  # one key/value head on each rank
+
+
+def test_the_vocabulary_splits_into_padded_shards() -> None:
+    assert [(VocabShard(49160, rank, 3).start, VocabShard(49160, rank, 3).size) for rank in range(3)] == [
+        (0, 16448),
+        (16448, 16448),
+        (32896, 16448),
+    ]
+    assert VocabShard(49152, 1, 3).size == 16384  # no padding where whole blocks of 64 divide
 
 
 def test_a_model_that_does_not_split_is_refused_naming_its_sizes() -> None:
@@ -115,9 +155,17 @@ def test_a_model_that_does_not_split_is_refused_naming_its_sizes() -> None:
     with pytest.raises(ModelLoadError) as refused:
         check_divisible(config, 2, name)
     message = str(refused.value)
-    assert "9 attention heads, 3 key/value heads and intermediate size of 1536" in message, message
+    assert "9 attention heads and intermediate size of 1536 must each divide by 2" in message, message
+    assert "3 key/value heads divide by 2 or into it" in message, message
     assert "attention heads and key/value heads do not" in message and "use --tensor-parallel 3" in message
     check_divisible(config, 3, name)  # no error
+    config.num_attention_heads, config.num_key_value_heads, config.intermediate_size = 8, 2, 64
+    check_divisible(config, 4, name)  # 2 key/value heads over 4 ranks: each replicated on 2
+    with pytest.raises(ModelLoadError, match="its attention heads do not"):
+        check_divisible(config, 16, name)  # 8 query heads do not divide by 16
+    config.num_attention_heads, config.num_key_value_heads, config.intermediate_size = 12, 4, 96
+    with pytest.raises(ModelLoadError, match="its key/value heads do not"):
+        check_divisible(config, 6, name)  # 4 key/value heads neither divide by 6 nor into it
 
 
 def test_serve_demo_over_2_ranks_exits_2_naming_the_heads() -> None:

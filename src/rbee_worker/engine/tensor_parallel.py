@@ -1,8 +1,8 @@
 """Tensor parallelism's runners (the processes, their rendezvous and messages: engine/tp_ranks.py). Rank 0's runner,
 TensorParallelRunner, is the Runner protocol of engine/runner.py around rank 0's own TorchRunner over its shard: each
 forward's rows go to the other ranks (Ranks.send) before rank 0 computes the forward itself, so that every rank runs
-the same forwards in the same order and their all-reduces pair up. Every other rank runs a FollowerRunner: the same
-forwards through the decoder layers only.
+the same forwards in the same order and their collectives pair up. Every other rank runs a FollowerRunner: the same
+forwards, whose logits (its vocabulary shard's) go to rank 0 in the LM head's gather (models/tensor_parallel.py).
 
 What only rank 0 needs stays there: the sampling state (`assign`, `masks`: the logits are sampled on rank 0 alone) and
 the block accounting (`evict`, `release`, `reuse`: the torch runner keeps nothing beyond the KV blocks, whose tables
@@ -19,7 +19,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
 from rbee_worker.engine.config import EngineConfig
@@ -160,36 +159,15 @@ class TensorParallelRunner:
 
 
 class FollowerRunner(TorchRunner):
-    """A rank's runner beyond rank 0: rank 0's forwards over this rank's shard, through the decoder layers only. The
-    final norm, the LM head (replicated, so rank 0's logits are the same) and the sampler are rank 0's alone."""
+    """A rank's runner beyond rank 0: rank 0's forwards over this rank's shard. Its LM head gathers its logits to rank
+    0 and returns none here; the sampler is rank 0's alone."""
 
     def run(self, forward: Forward) -> None:
-        """Compute one of rank 0's forwards (its all-reduces pair with every other rank's)."""
+        """Compute one of rank 0's forwards (its collectives pair with every other rank's)."""
         if forward.prompts:
-            self.prompts(forward.prompts)
+            self._prompt_forward(forward.prompts)
         elif forward.decodes:
-            self.decodes(forward.decodes)
-
-    def prompts(self, rows: list[PromptRow]) -> None:
-        self._prompt_forward(rows)
-
-    def decodes(self, rows: list[DecodeRow]) -> None:
-        self._decode_step(rows)
-
-    def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, **paged: torch.Tensor
-    ) -> torch.Tensor:
-        """The decoder layers' forward (what carries the all-reduces); the last position's hidden state of each row,
-        which nobody reads."""
-        output = self.model.get_decoder()(
-            input_ids=input_ids,
-            position_ids=position_ids.clamp(min=0),
-            attention_mask=mask,
-            use_cache=True,
-            **{self.cache_kwarg: self.cache},
-            **paged,
-        )
-        return output.last_hidden_state[:, -1]
+            self._decode_step(forward.decodes)
 
 
 def runner_factory(ranks: Ranks) -> Callable[[LoadedModel, EngineConfig], TensorParallelRunner]:

@@ -1,0 +1,98 @@
+"""Quantized weights under tensor parallelism (issue 32), on the CPU.
+
+- The cuts (models/tp_cuts.py): a rank's part of an Int8Linear or Int4Linear (rows, or columns on whole groups of 32)
+  dequantizes to exactly that part of the whole layer's matrix; an int4 cut inside a group is refused, naming sizes.
+- Logits: `--quantize int8` / `int4` of a tiny random Llama over 2 ranks, and the demo GGUF file's own Q4_1 / Q8_0 /
+  Q6_K matrices (kept as int4 / int8) over 3 ranks, against the same load in one process. The weights are the same,
+  but the kernels compute in bfloat16 and a row-parallel layer rounds N partial sums where one process rounds one,
+  so the bound is stated against the exact product: the sharded model is at most twice as far from the one-process
+  model's matrices multiplied in float32 as the one-process model itself is.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from test_tensor_parallel import IDS, sharded, whole_logits
+
+from rbee_worker.devices import Placement
+from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.dequant import KERNEL_DTYPE, int8_per_row
+from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.models.int8_linear import Int8Linear
+from rbee_worker.models.loader import load_model
+from rbee_worker.models.quantize import int4_affine
+from rbee_worker.models.tp_cuts import keep_columns, keep_rows
+
+CPU = torch.device("cpu")
+
+
+def quantized_layers() -> list[torch.nn.Module]:
+    """An Int8Linear and an Int4Linear (with a bias) of one random 128 x 256 matrix."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(128, 256), torch.randn(128)
+    return [Int8Linear(*int8_per_row(weight, KERNEL_DTYPE), bias), Int4Linear(*int4_affine(weight), bias)]
+
+
+@pytest.mark.parametrize("layer", quantized_layers(), ids=["int8", "int4"])
+def test_a_cut_holds_exactly_its_part_of_the_quantized_matrix(layer: torch.nn.Module) -> None:
+    whole = layer.dequantized(torch.float32)
+    top = keep_rows(layer, 64, 64)
+    assert type(top) is type(layer)
+    assert torch.equal(top.dequantized(torch.float32), whole[64:])
+    assert torch.equal(top.bias, layer.bias[64:])
+    right = keep_columns(layer, 160, 96, "layer")
+    assert torch.equal(right.dequantized(torch.float32), whole[:, 160:])
+    assert right.bias is None  # a row-parallel layer adds its bias once, after the sum
+    x = torch.randn(3, 256)
+    parts = keep_columns(layer, 0, 160, "layer")(x[:, :160]) + right(x[:, 160:]) + layer.bias
+    torch.testing.assert_close(parts, layer(x), rtol=0.02, atol=0.1)  # the kernels round their sums to bfloat16
+
+
+def test_an_int4_cut_inside_a_group_is_refused() -> None:
+    int4 = quantized_layers()[1]
+    with pytest.raises(ModelLoadError, match="its 256 inputs split into parts of 48, which cut its groups"):
+        keep_columns(int4, 48, 48, "the model's layer 0 o_proj")
+    keep_columns(quantized_layers()[0], 48, 48, "int8 has no groups")  # no error
+
+
+def exact_logits(spec: str, quantize: str) -> torch.Tensor:
+    """The logits of IDS from MODEL loaded whole in one process with `quantize`, every quantized matrix dequantized
+    and multiplied in float32: the model's exact product, without the kernels' bfloat16 rounding."""
+    model = load_model(spec, Placement(CPU, torch.float32), quantize=quantize, runtime="torch").model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int4Linear | Int8Linear):
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                linear.weight = torch.nn.Parameter(child.dequantized(torch.float32), requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor(IDS)).logits
+
+
+def assert_within_the_bound(spec: str, world: int, quantize: str, tmp_path: Path) -> None:
+    split = sharded(spec, world, tmp_path, quantize)["logits"]
+    alone, exact = whole_logits(spec, quantize), exact_logits(spec, quantize)
+    own = (alone - exact).abs().max().item()
+    assert own > 0, "the one-process model is expected to round (the kernels compute in bfloat16)"
+    assert (split - exact).abs().max().item() <= 2 * own, ((split - exact).abs().max().item(), own)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_int4_shape(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    """A random Llama whose matrices quantize to int4 in whole groups of 32 inputs on each of 2 ranks."""
+    directory = tmp_path_factory.mktemp("tiny-llama-quantized-tp")
+    return make_tiny_model(
+        directory, "llama", demo_tokenizer_dir, hidden_size=128, intermediate_size=256, num_attention_heads=4
+    )
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantize_at_load_over_2_ranks(tiny_llama_int4_shape: Path, tmp_path: Path, quantize: str) -> None:
+    assert_within_the_bound(str(tiny_llama_int4_shape), 2, quantize, tmp_path)
+
+
+def test_demo_gguf_keeps_its_quantized_matrices_over_3_ranks(tmp_path: Path) -> None:
+    assert_within_the_bound("demo", 3, "int4", tmp_path)
