@@ -1,8 +1,10 @@
 """The CUDA Triton kernels run by Triton's interpreter on the CPU, so that CI, which has no GPU, checks their logic.
 The int4 kernels (models/cuda_weight_only.py): the packing, the masks of partial tiles, the split-K sums and their
 order, and each of the three paths of `int4_matmul`. The paged decode attention (engine/decode_attention.py): the
-gather through block tables, each program's chunk of its row's length, empty chunks and padding rows, and the merge.
-tests/test_cuda.py checks the same kernels compiled, on a GPU.
+gather through block tables, each program's chunk of its row's length, empty chunks and padding rows, and the merge
+(or, with one split, the output written by the split kernel itself). The KV write (engine/kv_write.py): each new
+token's keys and values at its position in the pools, from transformers' strided layout. tests/test_cuda.py checks
+the same kernels compiled, on a GPU.
 
 The interpreter is chosen when Triton is imported, so the checks run in a child process. Its `tl.dot` on bfloat16
 multiplies the raw bits, so the rows that take a `tl.dot` kernel use float32 (or float16) inputs here."""
@@ -120,6 +122,28 @@ DECODE_CHECKS = textwrap.dedent(
     """
 )
 
+KV_WRITE_CHECKS = textwrap.dedent(
+    """
+    import torch
+    from rbee_worker.engine.kv_write import write_kv
+
+    torch.manual_seed(0)
+    for rows, q_len, heads, head_dim in ((3, 1, 8, 64), (2, 5, 3, 16)):  # decode rows; prompt chunks, 3 heads (padded)
+        pool_k = torch.zeros(40, heads, head_dim, dtype=torch.bfloat16)
+        pool_v = torch.zeros(40, heads, head_dim, dtype=torch.bfloat16)
+        # transformers' layout: the projection's [rows, q_len, heads, head_dim] transposed, not contiguous
+        keys = torch.randn(rows, q_len, heads, head_dim).to(torch.bfloat16).transpose(1, 2)
+        values = torch.randn(rows, q_len, heads, head_dim).to(torch.bfloat16).transpose(1, 2)
+        slots = torch.randperm(40)[: rows * q_len]
+        write_kv(keys, values, pool_k, pool_v, slots)
+        expected_k, expected_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
+        expected_k[slots] = keys.transpose(1, 2).reshape(-1, heads, head_dim)
+        expected_v[slots] = values.transpose(1, 2).reshape(-1, heads, head_dim)
+        assert torch.equal(pool_k, expected_k) and torch.equal(pool_v, expected_v), (rows, q_len, heads)
+    print("ok")
+    """
+)
+
 
 def test_int4_kernels_in_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
@@ -135,5 +159,14 @@ def test_paged_decode_attention_in_the_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", DECODE_CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])
+
+
+def test_kv_write_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", KV_WRITE_CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])

@@ -7,8 +7,10 @@ row r lives in block `block_tables[r, p // block_size]` at offset `p % block_siz
 
 Why this shape: one decode step of one sequence is little work, rows x key/value heads wide (8 for a Llama-3.1-8B
 shape), on a GPU with many multiprocessors (132 on an H200). So each row's positions are also split into chunks, one
-program each, and a second small kernel merges the chunks' partial results by their log-sum-exp. The query heads that
-share a key/value head are one program's rows (GQA), so each key and value is read once.
+program each, and a second small kernel merges the chunks' partial results by their log-sum-exp. Where the rows alone
+fill the GPU (one split: 64 rows of an 8B shape), the split kernel writes the output itself and the merge is left out,
+one launch and a float32 round trip less per layer. The query heads that share a key/value head are one program's
+rows (GQA), so each key and value is read once.
 
 Why a fixed grid: the launch is (rows, kv_heads, splits), where `splits_for` depends on the rows and key/value heads
 alone, and each program finds its chunk from its row's length, read inside the kernel. Nothing on the host depends on
@@ -30,8 +32,8 @@ MAX_SPLITS = 64  # most programs per row and key/value head
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, part_ptr, lse_ptr,
-    stride_qr, stride_qh,
+    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, part_ptr, lse_ptr, o_ptr,
+    stride_qr, stride_qh, stride_or, stride_oh,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     stride_tr, stride_tb,
     scale,
@@ -71,10 +73,14 @@ def _split_kernel(
         m_i = m_new
     seen = l_i > 0  # false for an empty chunk (beyond the row's length): zeros and lse = -inf, which the merge skips
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    where = (row * HEADS + heads) * SPLITS + split
-    tl.store(part_ptr + where[:, None] * D + d[None, :], out, mask=(g < GROUP)[:, None])
-    tl.store(lse_ptr + where, lse, mask=g < GROUP)
+    if SPLITS == 1:  # the row's only chunk: the output itself (a padding row's: zeros)
+        o = o_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+    else:
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        where = (row * HEADS + heads) * SPLITS + split
+        tl.store(part_ptr + where[:, None] * D + d[None, :], out, mask=(g < GROUP)[:, None])
+        tl.store(lse_ptr + where, lse, mask=g < GROUP)
 
 
 @triton.jit
@@ -145,11 +151,16 @@ def paged_decode_attention(
     rows, heads, _, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
-    part = torch.empty(rows, heads, splits, head_dim, device=query.device, dtype=torch.float32)
-    lse = torch.empty(rows, heads, splits, device=query.device, dtype=torch.float32)
+    output = torch.empty(rows, 1, heads, head_dim, device=query.device, dtype=query.dtype)
+    # One split writes `output` directly (the kernel then reads neither buffer); more write their parts and
+    # log-sum-exps for the merge.
+    part = lse = output
+    if splits > 1:
+        part = torch.empty(rows, heads, splits, head_dim, device=query.device, dtype=torch.float32)
+        lse = torch.empty(rows, heads, splits, device=query.device, dtype=torch.float32)
     _split_kernel[(rows, kv_heads, splits)](
-        query, key_cache, value_cache, block_tables, lengths, part, lse,
-        query.stride(0), query.stride(1),
+        query, key_cache, value_cache, block_tables, lengths, part, lse, output,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
@@ -157,9 +168,9 @@ def paged_decode_attention(
         HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK=block,
         BLOCK_SIZE=block_size, SPLITS=splits, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    output = torch.empty(rows, 1, heads, head_dim, device=query.device, dtype=query.dtype)
-    _merge_kernel[(rows, heads)](
-        part, lse, output, output.stride(0), output.stride(2),
-        HEADS=heads, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=head_dim,
-    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(rows, heads)](
+            part, lse, output, output.stride(0), output.stride(2),
+            HEADS=heads, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=head_dim,
+        )  # fmt: skip
     return output

@@ -19,6 +19,7 @@ cancel: on a GPU at once, on a CPU block by block as blocks are first used, so t
 resident.
 """
 
+import importlib.util
 from collections.abc import Sequence
 from typing import Literal
 
@@ -27,6 +28,11 @@ from transformers import PretrainedConfig
 
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
 from rbee_worker.engine.runner import KvGeometry
+
+if importlib.util.find_spec("triton") is not None:  # CUDA builds of PyTorch
+    from rbee_worker.engine import kv_write
+else:
+    kv_write = None
 
 ReadMode = Literal["gather", "new", "paged"]
 
@@ -65,6 +71,8 @@ class PagedCache:
         self.max_blocks = -(-kv.context // kv.block_size)
         self.tables = torch.zeros(rows + 1, self.max_blocks + 1, dtype=torch.long, device=device)
         self.device = device
+        # On CUDA one kernel writes a forward's new keys and values (engine/kv_write.py); elsewhere two index writes.
+        self._one_write = device.type == "cuda" and kv_write is not None and kv_write.supported(self.head_dim)
         self._kv_len = 0
         self._mode: ReadMode = "gather"
         self._writes: torch.Tensor | None = None  # flat positions of the forward's new tokens, in row-major order
@@ -112,8 +120,11 @@ class PagedCache:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         flat_keys = keys.view(-1, self.heads, self.head_dim)
         flat_values = values.view(-1, self.heads, self.head_dim)
-        flat_keys[self._writes] = key_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
-        flat_values[self._writes] = value_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
+        if self._one_write:
+            kv_write.write_kv(key_states, value_states, flat_keys, flat_values, self._writes)
+        else:
+            flat_keys[self._writes] = key_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
+            flat_values[self._writes] = value_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
         if self._mode == "new":
             return key_states, value_states
         if self._mode == "paged":
