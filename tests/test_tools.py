@@ -1,8 +1,10 @@
-"""Tool calls (chat/tools.py, chat/tool_prompt.py, /v1/chat/completions): calls read from each format in any split of
-the text; tools, calls and tool results in prompts whose templates do or do not render them; forced calls' grammars;
-request checks; and the demo model on both runtimes through the openai client: named and required calls at
-temperature 1.0 whose arguments validate, a call read from what the model writes (`auto`) after a conversation that
-shows one, streamed deltas that concatenate to the non-streamed message."""
+"""Tool calls (chat/tools.py, chat/call_stream.py, chat/tool_prompt.py, /v1/chat/completions): calls read from each
+format in every split of the text, streamed as they are written (a call's header once it is decided, then its
+arguments' text), broken calls under the header rule; tools, calls and tool results in prompts whose templates do or
+do not render them; forced calls' grammars; request checks; and the demo model on both runtimes through the openai
+client: named and required calls at temperature 1.0 whose arguments validate, a call read from what the model writes
+(`auto`) after a conversation that shows one, streamed deltas (a call's arguments in several chunks) that concatenate
+to the non-streamed message."""
 
 import json
 import random
@@ -21,13 +23,15 @@ from rbee_worker.api.openai_schema import ChatCompletionRequest
 from rbee_worker.chat.output import ChatOutput
 from rbee_worker.chat.tool_prompt import TemplateCaps, probe_caps, template_messages
 from rbee_worker.chat.tools import (
+    CallDelta,
     NamedCall,
-    ParsedCalls,
     RequiredCalls,
     ToolFormat,
     ToolOutput,
+    coalesced,
     forced_grammar,
     merge_calls,
+    parsed_calls,
     tool_format,
 )
 
@@ -52,6 +56,7 @@ ADD_PARAMETERS = {
 }
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_PARAMETERS}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+NAMES = frozenset({"get_weather", "add", "f", "g"})  # the tools of the texts read below
 # A Qwen 2.5-like template: it renders tools, calls and tool results itself.
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
@@ -78,6 +83,13 @@ def splits(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
+def every_split(text: str) -> list[list[str]]:
+    """The text whole, one character at a time, cut once at each place, and in 50 random splits."""
+    rng = random.Random(text)
+    halves = [[text[:cut], text[cut:]] for cut in range(1, len(text))]
+    return [[text], list(text), *halves, *(splits(text, rng) for _ in range(50))]
+
+
 @pytest.mark.parametrize(
     ("fmt", "text", "content", "calls"),
     [
@@ -102,6 +114,25 @@ def splits(text: str, rng: random.Random) -> list[str]:
             "",
             [("f", '{"x": 1}')],
         ),
+        (  # the arguments as written: spacing, key order and escapes kept, not re-serialized
+            ToolFormat.HERMES,
+            '<tool_call>{"arguments":{ "b" :[1,{"c":"}\\"]"}],"a":"\\u00e9"}, "name":"f"}</tool_call>',
+            "",
+            [("f", '{ "b" :[1,{"c":"}\\"]"}],"a":"\\u00e9"}')],
+        ),
+        (  # a name that is not one of the tools: text
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "h", "arguments": {}}</tool_call> and on',
+            '<tool_call>{"name": "h", "arguments": {}}</tool_call> and on',
+            [],
+        ),
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"id": 7, "name": "f", "extra": [{"}": 1}], "arguments": {"x": true}}</tool_call>',
+            "",
+            [("f", '{"x": true}')],
+        ),
+        (ToolFormat.HERMES, '<tool_call>{"name": "f"}</tool_call>', "", [("f", "{}")]),
         (
             ToolFormat.LLAMA3_JSON,
             ' {"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "f", "parameters": {}}',
@@ -111,6 +142,12 @@ def splits(text: str, rng: random.Random) -> list[str]:
         (ToolFormat.LLAMA3_JSON, '<|python_tag|>{"name": "f", "parameters": {}}', "", [("f", "{}")]),
         (ToolFormat.LLAMA3_JSON, '{"answer": 42}', '{"answer": 42}', []),
         (ToolFormat.LLAMA3_JSON, 'The JSON {"name": "f"}', 'The JSON {"name": "f"}', []),
+        (
+            ToolFormat.LLAMA3_JSON,
+            '{"name": "f", "parameters": {"x": 1}} That is the call.',
+            "That is the call.",
+            [("f", '{"x": 1}')],
+        ),
         (ToolFormat.MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {"x": [1]}}]', "", [("f", '{"x": [1]}')]),
         (
             ToolFormat.MISTRAL,
@@ -119,26 +156,118 @@ def splits(text: str, rng: random.Random) -> list[str]:
             [("f", "{}"), ("g", "{}")],
         ),
         (ToolFormat.MISTRAL, "[1, 2]", "[1, 2]", []),
+        (ToolFormat.MISTRAL, "[TOOL_CALLS]", "[TOOL_CALLS]", []),
     ],
 )
-def test_calls_read_from_each_format_in_any_split(
+def test_calls_read_from_each_format_in_every_split(
     fmt: ToolFormat, text: str, content: str, calls: list[tuple[str, str]]
 ) -> None:
-    assert run(ParsedCalls(fmt), [text]) == (content, calls)
-    rng = random.Random(text)
-    for _ in range(50):  # a stream's pieces end anywhere: inside a marker, a call, or between calls
-        assert run(ParsedCalls(fmt), splits(text, rng)) == (content, calls)
+    """Whole, a character at a time, or cut anywhere (inside a tag, a name, a string, an escape, between calls): the
+    same content and calls, each call's arguments valid JSON, the text as the model wrote it."""
+    for pieces in every_split(text):
+        assert run(parsed_calls(fmt, NAMES), pieces) == (content, calls), pieces
+    for _, arguments in calls:
+        assert isinstance(json.loads(arguments), dict)
 
 
-def test_each_call_of_a_stream_goes_out_once_it_closes() -> None:
-    parser = ParsedCalls(ToolFormat.HERMES)
-    assert parser.feed("Checking.<tool_").content == "Checking."
-    first = parser.feed('call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g",')
-    assert [(c.index, c.name) for c in first.calls] == [(0, "f")] and first.calls[0].id
-    second = parser.feed(' "arguments": {}}</tool_call>')
-    assert [(c.index, c.name) for c in second.calls] == [(1, "g")]
-    assert second.calls[0].id != first.calls[0].id
-    assert not parser.finish().calls
+@pytest.mark.parametrize(
+    ("fmt", "text", "content", "calls"),
+    [
+        # The output ends (max_tokens, or the model stops) inside the arguments: the call keeps what was written.
+        (
+            ToolFormat.HERMES,
+            'Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b',
+            "Sure. ",
+            [("add", '{"a": 1, "b')],
+        ),
+        # Hermes' closing tag ends a call whose JSON has not closed; what follows the tag is content again.
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments": {"x": "a</tool_call> Done.',
+            "Done.",
+            [("f", '{"x": "a')],
+        ),
+        # The call object closes, its tag does not come: the text after it is content.
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments": {"x": 1}} It is sunny.',
+            "It is sunny.",
+            [("f", '{"x": 1}')],
+        ),
+        # Broken before the header: text, as written, tags included.
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments" {}}</tool_call>',
+            '<tool_call>{"name": "f", "arguments" {}}</tool_call>',
+            [],
+        ),
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "argu',
+            '<tool_call>{"name": "f", "argu',
+            [],
+        ),
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+            [],
+        ),
+        # A second call that breaks after its header: both calls stay, the second with its arguments as written.
+        (
+            ToolFormat.MISTRAL,
+            '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"y": [',
+            "",
+            [("f", "{}"), ("g", '{"y": [')],
+        ),
+        (
+            ToolFormat.LLAMA3_JSON,
+            '{"name": "f", "parameters": {"x": 1}}; {"name": "nope", "parameters": {}}',
+            '{"name": "nope", "parameters": {}}',
+            [("f", '{"x": 1}')],
+        ),
+    ],
+)
+def test_broken_calls_follow_the_header_rule(
+    fmt: ToolFormat, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    """A call is decided by its header (its name and the beginning of its arguments): after it, the call stays one,
+    its arguments as written; before it, the text is content. The same in every split, so streamed or not."""
+    for pieces in every_split(text):
+        assert run(parsed_calls(fmt, NAMES), pieces) == (content, calls), pieces
+
+
+def deltas(output: ToolOutput, pieces: list[str]) -> list[list[CallDelta]]:
+    """The call deltas that each piece gives (the last entry: those of the output's end)."""
+    given = [output.feed(piece).calls for piece in pieces]
+    return [*given, output.finish().calls]
+
+
+def test_a_call_streams_as_it_is_written() -> None:
+    """The header (index, id, name) goes out once the name and the arguments' opening brace are read; then each piece
+    of the arguments goes out as it comes, held back only where it may be the closing tag's beginning."""
+    text = 'Checking.<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call><tool_call>{"name": "f",'
+    text += ' "arguments": {"x": "</"}}</tool_call>'
+    cut = text.index("<tool_call>", 20)  # a character at a time up to the second call, the rest in one piece
+    pieces = [*text[:cut], text[cut:]]
+    given = deltas(parsed_calls(ToolFormat.HERMES, NAMES), pieces)
+    header = next(i for i, calls in enumerate(given) if calls)
+    assert "".join(pieces[: header + 1]).endswith('"arguments": {')
+    assert given[header] == [CallDelta(0, "{", given[header][0].id, "add")] and given[header][0].id.startswith("call_")
+    arguments = [calls for calls in given[header + 1 : cut] if calls]
+    assert [c.arguments for [c] in arguments] == list('"a": 12, "b": 30}')  # a character at a time, as fed
+    assert all(c.index == 0 and c.id is None for [c] in arguments)
+    second = given[cut]
+    assert [(c.index, c.name, c.arguments) for c in second] == [(1, "f", '{"x": "</"}')] and second[0].id
+    assert second[0].id != given[header][0].id and not given[-1]
+    held = deltas(parsed_calls(ToolFormat.HERMES, NAMES), ['<tool_call>{"name": "f", "arguments": {"x": 1</to'])
+    assert [c.arguments for c in held[0]] == ['{"x": 1'] and [c.arguments for c in held[1]] == ["</to"]
+
+
+def test_a_chunk_carries_one_entry_per_call() -> None:
+    joined = coalesced([CallDelta(0, '{"a"', "call_1", "f"), CallDelta(0, ": 1}"), CallDelta(1, "{", "call_2", "g")])
+    assert joined == [CallDelta(0, '{"a": 1}', "call_1", "f"), CallDelta(1, "{", "call_2", "g")]
+    assert coalesced([CallDelta(1, "}"), CallDelta(1, "")]) == [CallDelta(1, "}")]
 
 
 def test_forced_calls_read_their_output() -> None:
@@ -147,17 +276,24 @@ def test_forced_calls_read_their_output() -> None:
     assert first.calls[0].name == "add" and first.calls[0].id and first.calls[0].arguments == '{"a": 1,'
     assert rest.calls[0].id is None and rest.calls[0].arguments == ' "b": 2}'
     text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
-    assert run(RequiredCalls(), splits(text, random.Random(1))) == (
-        "",
-        [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Oslo"}')],
-    )
-    cut = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "add", "param'  # max_tokens came first
-    assert run(RequiredCalls(), splits(cut, random.Random(2))) == ("", [("add", '{"a": 1, "b": 2}')])
-    assert run(RequiredCalls(), ['[{"name": "add", "param']) == ('[{"name": "add", "param', [])
+    for pieces in every_split(text):
+        assert run(RequiredCalls(NAMES), pieces) == (
+            "",
+            [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Oslo"}')],
+        )
+    streamed_calls = [c for calls in deltas(RequiredCalls(NAMES), list(text)) for c in calls]
+    # a delta per character of the arguments, the first of each call (its header) with the opening brace
+    assert [c.arguments for c in streamed_calls] == list('{"a": 1, "b": 2}{"city": "Oslo"}')
+    assert [c.name for c in streamed_calls if c.id] == ["add", "get_weather"]
+    # max_tokens came first: a call cut before its header is dropped, one cut after it keeps its arguments as written
+    cut = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "add", "param'
+    assert run(RequiredCalls(NAMES), splits(cut, random.Random(2))) == ("", [("add", '{"a": 1, "b": 2}')])
+    assert run(RequiredCalls(NAMES), ['[{"name": "add", "param']) == ('[{"name": "add", "param', [])
+    assert run(RequiredCalls(NAMES), ['[{"name": "add", "parameters": {"a": 1']) == ("", [("add", '{"a": 1')])
 
 
 def test_a_message_of_only_calls_has_null_content() -> None:
-    message = ChatOutput(ParsedCalls(ToolFormat.HERMES), None).message([("\n", 1), (CALL, 20), ("\n", 1)])
+    message = ChatOutput(parsed_calls(ToolFormat.HERMES, NAMES), None).message([("\n", 1), (CALL, 20), ("\n", 1)])
     assert message.content is None and [c.name for c in message.tool_calls] == ["get_weather"]
     assert message.reasoning is None and message.reasoning_tokens == 0
     assert ChatOutput(None, None).message([(CALL, 20)]).content == CALL  # tool_choice none: text as written
@@ -259,8 +395,11 @@ def client(shared_workers: SharedWorkers, request: pytest.FixtureRequest) -> ope
     return openai.OpenAI(base_url=f"{worker.url}/v1", api_key=SHARED_TOKEN, max_retries=0, timeout=120)
 
 
-def streamed(client: openai.OpenAI, **asked: Any) -> tuple[str | None, list[tuple[str, str]], str | None]:
-    """A streamed reply's content, its calls as a client concatenates their deltas, and its finish reason."""
+def streamed(
+    client: openai.OpenAI, **asked: Any
+) -> tuple[tuple[str | None, list[tuple[str, str]], str | None], list[int]]:
+    """A streamed reply's content, its calls as a client concatenates their deltas, and its finish reason; and how
+    many chunks carried each call's arguments."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(**asked, stream=True):
         if not chunk.choices:
@@ -268,14 +407,18 @@ def streamed(client: openai.OpenAI, **asked: Any) -> tuple[str | None, list[tupl
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         finish = choice.finish_reason or finish
+        indexes = [delta.index for delta in choice.delta.tool_calls or []]
+        assert len(set(indexes)) == len(indexes), chunk  # one entry per call in a chunk, as OpenAI sends them
         for delta in choice.delta.tool_calls or []:
-            call = calls.setdefault(delta.index, {"name": "", "arguments": "", "ids": []})
+            call = calls.setdefault(delta.index, {"name": "", "arguments": "", "ids": [], "chunks": 0})
             call["ids"].append(delta.id)
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
+            call["chunks"] += bool(delta.function.arguments)
     for call in calls.values():  # the id and the name come once, with the call's first delta
         assert call["ids"][0] and not any(call["ids"][1:])
-    return content or None, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], finish
+    reply = content or None, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], finish
+    return reply, [calls[i]["chunks"] for i in sorted(calls)]
 
 
 def calls_of(reply: Any) -> list[tuple[str, str]]:
@@ -305,7 +448,9 @@ def test_forced_calls_validate_at_temperature_one(client: openai.OpenAI) -> None
         assert name == "get_weather" or (choice == "required" and name == "add")
         jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS if name == "get_weather" else ADD_PARAMETERS)
         assert reply.choices[0].message.tool_calls[0].id.startswith("call_")
-        assert streamed(client, **asked) == (None, calls, "tool_calls")
+        stream, chunks = streamed(client, **asked)
+        assert stream == (None, calls, "tool_calls")
+        assert chunks[0] > 1  # the arguments arrive as they are generated, not whole at the end
 
 
 @pytest.mark.slow
@@ -327,7 +472,8 @@ def test_a_call_the_model_writes_is_read_as_a_call(client: openai.OpenAI) -> Non
     reply = client.chat.completions.create(**asked)
     assert reply.choices[0].finish_reason == "tool_calls", reply
     assert calls_of(reply) == [("get_weather", '{"city": "Rome"}')]
-    assert streamed(client, **asked) == (None, calls_of(reply), "tool_calls")
+    stream, chunks = streamed(client, **asked)
+    assert stream == (None, calls_of(reply), "tool_calls") and chunks[0] > 1
     text_only = client.chat.completions.create(**{**asked, "tool_choice": "none"})
     assert not text_only.choices[0].message.tool_calls and text_only.choices[0].finish_reason in ("stop", "length")
 

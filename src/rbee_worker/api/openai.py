@@ -55,7 +55,7 @@ from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import WorkerState
 from rbee_worker.chat.output import ChatDelta, ChatOutput
 from rbee_worker.chat.reasoning import ReasoningSplitter, opens_reasoning_ids
-from rbee_worker.chat.tools import ToolCall, forced_grammar, tool_output
+from rbee_worker.chat.tools import ToolCall, coalesced, forced_grammar, tool_output
 from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
 from rbee_worker.engine.types import Request as EngineRequest
@@ -453,8 +453,8 @@ def usage(end: End, reasoning_tokens: int | None = None) -> dict:
 
 
 def delta_json(delta: ChatDelta) -> dict:
-    """A chunk's delta: its content, and its tool-call pieces as OpenAI streams them (a call's first piece has its
-    id, type and name; every piece a part of its arguments' text)."""
+    """A chunk's delta: its content, and its tool-call pieces as OpenAI streams them (one per call; a call's first
+    piece has its id, type and name; every piece a part of its arguments' text)."""
     payload: dict[str, Any] = {"content": delta.content} if delta.content else {}
     if delta.reasoning:
         payload["reasoning_content"] = delta.reasoning
@@ -468,7 +468,7 @@ def delta_json(delta: ChatDelta) -> dict:
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             }
-            for c in delta.calls
+            for c in coalesced(delta.calls)
         ]
     return payload
 

@@ -5,20 +5,29 @@
   parallel calls); Llama 3.x JSON (`{"name": ..., "parameters": {...}}`, after a `<|python_tag|>` that the
   detokenizer drops as a special token); Mistral (`[TOOL_CALLS][{"name": ..., "arguments": {...}}]`). A template that
   knows no tools gets Hermes instructions (tool_prompt.py), so Hermes is the default.
-- `tool_choice` "auto": `ParsedCalls` reads what the model writes. Text outside a call is content; a call whose JSON
-  does not parse stays content, as written. The pieces and calls depend on the text only, never on how it was split
-  into pieces, so a streamed response's deltas concatenate to exactly the non-streamed message.
+- Calls stream as OpenAI streams them: a call's first delta has its id and name, and goes out once the call is
+  *decided*, that is once its name (one of the request's tools) and the beginning of its arguments are read; its
+  arguments' text follows as it is written (chat/call_stream.py reads the call's JSON). Only what may still be a
+  closing tag is held back. The deltas depend on the text only, never on how it was split into pieces, so a streamed
+  response's deltas concatenate to exactly the non-streamed message, whose arguments are the text the model wrote.
+- A call is decided by its header, the same streamed or not: text that breaks off before it (no JSON object, a name
+  that is no tool, the output's end) is content, as written; once it is decided the call stays a call, and when its
+  arguments do not close (max_tokens, the end of the output, Hermes' closing tag) they are the text as written up to
+  there, with finish_reason as generated (`length` for max_tokens).
+- `tool_choice` "auto" reads what the model writes (`parsed_calls`): Hermes (`HermesCalls`) reads the calls inside
+  their tags, the rest content; Llama 3 JSON and Mistral (`JsonCalls`) read calls from an output that opens with one,
+  up to the first text that is not a call. Parallel calls are numbered 0, 1, ... as they are decided.
 - "required" and a named function constrain the output with a grammar (`forced_grammar`), as vLLM does: for a named
   function the output is its arguments (`NamedCall` streams them as they come); for "required" it is a JSON array of
-  `{"name", "parameters"}` objects (`RequiredCalls`), read when it is complete.
+  `{"name", "parameters"}` objects (`RequiredCalls`), read as Mistral's calls are.
 """
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
+from rbee_worker.chat.call_stream import CallReader
 from rbee_worker.chat.pieces import held_suffix
 from rbee_worker.engine.grammar import GrammarSpec
 
@@ -88,6 +97,18 @@ def merge_calls(deltas: list[CallDelta]) -> list[ToolCall]:
     return [ToolCall(**calls[index]) for index in sorted(calls)]
 
 
+def coalesced(deltas: list[CallDelta]) -> list[CallDelta]:
+    """The deltas of one chunk with each call's pieces joined into one (a call's first piece keeps its id and name),
+    as OpenAI sends them: one entry per call."""
+    joined: list[CallDelta] = []
+    for delta in deltas:
+        if joined and joined[-1].index == delta.index and delta.id is None:
+            last = joined.pop()
+            delta = CallDelta(last.index, last.arguments + delta.arguments, last.id, last.name)
+        joined.append(delta)
+    return joined
+
+
 class ToolOutput(Protocol):
     """Turns a generation's text, fed piece by piece, into content and call deltas."""
 
@@ -96,126 +117,200 @@ class ToolOutput(Protocol):
     def finish(self) -> Piece: ...
 
 
-def output_call(value: Any) -> CallDelta | None:
-    """A whole call from one parsed JSON value of the model's output, or None when it is not a call."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as the API carries them
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return CallDelta(index=0, arguments=json.dumps(arguments, ensure_ascii=False), id=new_call_id(), name=value["name"])
+class StreamedCalls:
+    """What the readers of the calls a model writes share: the calls' numbering, and their deltas as each call's
+    reader goes (a call's first delta, with its id and name, once the call is decided)."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self._names = names
+        self._reader: CallReader | None = None
+        self._count = 0  # the calls decided so far
+        self._sent = -1  # how much of the reader's arguments has gone out (-1: not its header yet)
+
+    def _open_call(self) -> None:
+        self._reader, self._sent = CallReader(self._names), -1
+
+    def _read_call(self, text: str) -> tuple[int, Piece]:
+        """Feed the open call `text`: how much of it the call read, and the deltas that makes."""
+        assert self._reader is not None
+        used = self._reader.feed(text)
+        if not self._reader.decided:
+            return used, Piece()
+        arguments = self._reader.arguments
+        if self._sent < 0:
+            self._count += 1
+            delta = CallDelta(self._count - 1, arguments, new_call_id(), self._reader.name)
+        else:
+            delta = CallDelta(self._count - 1, arguments[self._sent :])
+        self._sent = len(arguments)
+        return used, Piece(calls=[delta] if delta.id or delta.arguments else [])
+
+    def _end_call(self) -> str | None:
+        """Close the open call: None when it is a call, else the text it read (content as written)."""
+        assert self._reader is not None
+        reader, self._reader = self._reader, None
+        return None if reader.decided else reader.raw
 
 
-class ParsedCalls:
-    """tool_choice "auto": the calls a model writes in its template's format, the rest content."""
+class HermesCalls(StreamedCalls):
+    """tool_choice "auto", Hermes: calls inside `<tool_call>` tags, the rest content."""
 
-    HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-    # What starts a call in the JSON formats: the marker token's text (when the detokenizer keeps it), or the JSON.
-    JSON_MARKERS: ClassVar = {
-        ToolFormat.LLAMA3_JSON: ("<|python_tag|>", "{"),
-        ToolFormat.MISTRAL: ("[TOOL_CALLS]", "["),
-    }
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, fmt: ToolFormat) -> None:
-        self._format = fmt
-        self._held = ""  # text not yet decided: a possible marker's beginning, or an open call
-        self._mode = "start"  # start (only whitespace so far), content, call (inside an open one), after (a call)
-        self._count = 0
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__(names)
+        self._held = ""  # text not yet read: a possible tag's beginning
+        # text; call (inside a call's tags); closing (its JSON has ended, its closing tag is still to come);
+        # after (a call has ended: whitespace is not content)
+        self._mode = "text"
 
     def feed(self, text: str) -> Piece:
-        if self._format is ToolFormat.HERMES:
-            return self._feed_hermes(self._held + text)
-        return self._feed_json(self._held + text)
+        return self._read(self._held + text, final=False)
 
     def finish(self) -> Piece:
-        held, self._held = self._held, ""
-        if self._format is not ToolFormat.HERMES:
-            return self._json_calls(held) if self._mode == "call" else Piece(content=held)
-        if self._mode == "call":
-            return self._hermes_call(held, closed=False)
-        return Piece() if self._mode == "after" and not held.strip() else Piece(content=held)
+        piece = self._read(self._held, final=True)
+        if self._mode == "call":  # the output ended inside a call's tags
+            piece += self._ended("after")
+        return piece
 
-    def _feed_hermes(self, text: str) -> Piece:
+    def _read(self, text: str, final: bool) -> Piece:
+        """Read `text`; unless `final`, hold back its end when it may begin a tag."""
         piece = Piece()
         while text:
             if self._mode == "call":
-                end = text.find(self.HERMES_CLOSE)
-                if end < 0:
+                tag = text.find(self.CLOSE)  # the closing tag ends the call wherever it comes
+                stop = tag if tag >= 0 else len(text) - (0 if final else held_suffix(text, self.CLOSE))
+                used, read = self._read_call(text[:stop])
+                piece += read
+                text = text[used:]
+                if self._reader is not None and self._reader.ended:  # its JSON has closed, or broken off
+                    piece += self._ended("closing")
+                elif tag >= 0:
+                    decided = self._reader is not None and self._reader.decided
+                    text = text[len(self.CLOSE) :] if decided else text
+                    piece += self._ended("after")
+                else:  # all read, but for a possible closing tag's beginning
                     break
-                call = self._hermes_call(text[:end], closed=True)
-                piece += call
-                text = text[end + len(self.HERMES_CLOSE) :]
-                self._mode = "after" if call.calls else "content"
-                continue
-            if self._mode == "after":  # whitespace between calls is not content
+            elif self._mode == "closing":
                 text = text.lstrip()
-                if not text:
+                if text.startswith(self.CLOSE):
+                    text, self._mode = text[len(self.CLOSE) :], "after"
+                elif text and (final or not self.CLOSE.startswith(text)):
+                    self._mode = "after"  # a call whose closing tag is missing
+                else:
                     break
-            start = text.find(self.HERMES_OPEN)
-            if start >= 0:
-                piece.content += text[:start]
-                text, self._mode = text[start + len(self.HERMES_OPEN) :], "call"
-                continue
-            keep = held_suffix(text, self.HERMES_OPEN)
-            piece.content += text[: len(text) - keep]
-            text = text[len(text) - keep :]
-            if piece.content:
-                self._mode = "content"
-            break
+            elif self._mode == "after":
+                text = text.lstrip()
+                self._mode = "text" if text else "after"
+            else:
+                start = text.find(self.OPEN)
+                if start >= 0:
+                    piece.content += text[:start]
+                    text, self._mode = text[start + len(self.OPEN) :], "call"
+                    self._open_call()
+                    continue
+                keep = 0 if final else held_suffix(text, self.OPEN)
+                piece.content += text[: len(text) - keep]
+                text = text[len(text) - keep :]
+                break
         self._held = text
         return piece
 
-    def _hermes_call(self, body: str, closed: bool) -> Piece:
-        try:
-            call = output_call(json.loads(body))
-        except ValueError:
-            call = None
-        if call is None:
-            return Piece(content=self.HERMES_OPEN + body + (self.HERMES_CLOSE if closed else ""))
-        return Piece(calls=[self._numbered(call)])
-
-    def _feed_json(self, text: str) -> Piece:
-        """Llama 3 / Mistral: an output that starts with a call is all calls (read at the end); any other is text."""
-        if self._mode == "start":
-            stripped = text.lstrip()
-            markers = self.JSON_MARKERS[self._format]
-            if not stripped or any(m.startswith(stripped) for m in markers):
-                self._held = text
-                return Piece()
-            self._mode = "call" if stripped.startswith(markers) else "content"
-        if self._mode == "call":
-            self._held = text
+    def _ended(self, mode: str) -> Piece:
+        """The open call has ended: a call stays one (what comes next is read in `mode`); text that never became
+        one is content, its opening tag included."""
+        raw = self._end_call()
+        if raw is None:
+            self._mode = mode
             return Piece()
-        self._held = ""
-        return Piece(content=text)
+        self._mode = "text"
+        return Piece(content=self.OPEN + raw)
 
-    def _json_calls(self, text: str) -> Piece:
-        body = text.strip()
-        marker = self.JSON_MARKERS[self._format][0]
-        if body.startswith(marker):
-            body = body[len(marker) :].lstrip()
-        decoder, values, at = json.JSONDecoder(), [], 0
-        try:
-            while at < len(body):
-                value, at = decoder.raw_decode(body, at)
-                values.extend(value if isinstance(value, list) else [value])
-                while at < len(body) and body[at] in " \t\r\n;,":
-                    at += 1
-        except ValueError:
-            return Piece(content=text)
-        calls = [output_call(value) for value in values]
-        if not calls or None in calls:
-            return Piece(content=text)
-        return Piece(calls=[self._numbered(call) for call in calls if call is not None])
 
-    def _numbered(self, call: CallDelta) -> CallDelta:
-        self._count += 1
-        return CallDelta(self._count - 1, call.arguments, call.id, call.name)
+class JsonCalls(StreamedCalls):
+    """tool_choice "auto", Llama 3 JSON and Mistral: an output that opens with a call (the format's marker, or the
+    JSON that begins one) is calls, one after another (separated by `;`, `,` or whitespace, or in a JSON list); text
+    that is not a call ends them, and the rest of the output is content as written. An output that never gets to a
+    call is content, all of it."""
+
+    SEPARATORS = " \t\r\n;,[]"
+
+    def __init__(self, names: frozenset[str], openings: tuple[str, ...]) -> None:
+        super().__init__(names)
+        self._openings = openings  # the marker token's text (when the detokenizer keeps it), and the JSON's opening
+        self._held = ""  # the output's beginning, while it may still be an opening
+        self._mode = "start"  # start, between (calls), call (in one), text
+        self._syntax = ""  # what was read as calls' syntax while no call is made: content if none comes
+
+    def feed(self, text: str) -> Piece:
+        return self._read(self._held + text, final=False)
+
+    def finish(self) -> Piece:
+        piece = self._read(self._held, final=True)
+        if self._mode == "call":  # the output ended inside a call
+            piece += self._ended(at_end=True)
+        elif self._mode == "between" and not self._count:
+            piece.content += self._syntax
+        return piece
+
+    def _read(self, text: str, final: bool) -> Piece:
+        piece = Piece()
+        while text:
+            if self._mode == "start":
+                stripped = text.lstrip()
+                if not final and any(m.startswith(stripped) and m != stripped for m in self._openings):
+                    break  # the output's beginning, or of a marker
+                if stripped.startswith(self._openings):
+                    marker = self._openings[0] if stripped.startswith(self._openings[0]) else ""
+                    cut = len(text) - len(stripped) + len(marker)
+                    self._syntax, text, self._mode = text[:cut], text[cut:], "between"
+                else:
+                    self._mode = "text"
+            elif self._mode == "between":
+                rest = text.lstrip(self.SEPARATORS)
+                self._syntax += text[: len(text) - len(rest)] if not self._count else ""
+                text = rest
+                if text.startswith("{"):
+                    self._open_call()
+                    self._mode = "call"
+                elif text:
+                    piece.content += "" if self._count else self._syntax
+                    self._mode = "text"
+            elif self._mode == "call":
+                used, read = self._read_call(text)
+                piece += read
+                text = text[used:]
+                if self._reader is not None and self._reader.ended:
+                    piece += self._ended(at_end=False)
+                else:
+                    break
+            else:
+                piece.content += text
+                text = ""
+        self._held = text
+        return piece
+
+    def _ended(self, at_end: bool) -> Piece:
+        raw = self._end_call()
+        if raw is None:
+            self._mode = "between"
+            return Piece()
+        self._mode = "text"
+        return Piece(content=raw if self._count else self._syntax + raw)
+
+
+class RequiredCalls(JsonCalls):
+    """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects (the grammar makes it
+    one), read as a Mistral output is. An output with no call is content, as written; when max_tokens cuts a call
+    short before it is decided, what it wrote of it is dropped (the output is nothing but calls: finish_reason says
+    `length`)."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__(names, ("[",))
+
+    def _ended(self, at_end: bool) -> Piece:
+        piece = super()._ended(at_end)
+        return Piece() if at_end and self._count else piece
 
 
 class NamedCall:
@@ -235,35 +330,6 @@ class NamedCall:
             return CallDelta(0, text)
         delta, self._name = CallDelta(0, text, new_call_id(), self._name), None
         return delta
-
-
-class RequiredCalls:
-    """tool_choice "required": the output is a JSON array of {"name", "parameters"} objects, read once it ends. When
-    max_tokens cuts it short, its whole objects are the calls (the grammar has made each valid; finish_reason says
-    `length`); an output with no whole object is content, as written."""
-
-    def __init__(self) -> None:
-        self._text = ""
-
-    def feed(self, text: str) -> Piece:
-        self._text += text
-        return Piece()
-
-    def finish(self) -> Piece:
-        decoder, values, at = json.JSONDecoder(), [], 1
-        if self._text.startswith("["):
-            while at < len(self._text) and self._text[at] != "]":
-                try:
-                    value, at = decoder.raw_decode(self._text, at)
-                except ValueError:
-                    break
-                values.append(value)
-                while at < len(self._text) and self._text[at] in ", ":
-                    at += 1
-        calls = [output_call(value) for value in values]
-        if not calls or None in calls:
-            return Piece(content=self._text)
-        return Piece(calls=[CallDelta(i, c.arguments, c.id, c.name) for i, c in enumerate(calls) if c is not None])
 
 
 def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
@@ -293,13 +359,22 @@ def forced_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> 
     return GrammarSpec.json_schema(array)
 
 
+def parsed_calls(fmt: ToolFormat, names: frozenset[str]) -> ToolOutput:
+    """What reads the calls a model writes in `fmt` to the tools `names` (tool_choice "auto")."""
+    if fmt is ToolFormat.HERMES:
+        return HermesCalls(names)
+    # The marker token's text (when the detokenizer keeps it), then what else opens an output of calls.
+    return JsonCalls(names, ("<|python_tag|>", "{") if fmt is ToolFormat.LLAMA3_JSON else ("[TOOL_CALLS]", "["))
+
+
 def tool_output(tools: list[dict[str, Any]] | None, choice: str, fmt: ToolFormat) -> ToolOutput | None:
     """What reads a chat request's output for its tools (None: text only): `choice` is none, auto, required or a
     function's name."""
     if not tools or choice == "none":
         return None
+    names = frozenset(tool["function"]["name"] for tool in tools)
     if choice == "auto":
-        return ParsedCalls(fmt)
+        return parsed_calls(fmt, names)
     if choice == "required":
-        return RequiredCalls()
+        return RequiredCalls(names)
     return NamedCall(choice)

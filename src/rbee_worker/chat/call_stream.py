@@ -1,0 +1,181 @@
+"""One tool call's JSON object, `{"name": ..., "arguments": {...}}`, read as it is generated, so that a call's name and
+its arguments' text go out while the model still writes them (chat/tools.py turns them into deltas).
+
+`CallReader` follows the object's members: `name` (a JSON string, which must name one of the request's tools), the
+arguments (`arguments`, or `parameters` as Llama 3 writes them: an object, whose text as written is the call's
+arguments; or a JSON string holding that text, as some models write it, decoded once it closes) and any other member
+(skipped). The call is *decided* once its name is read and its arguments have begun (an object's opening brace, or a
+string that has closed on a JSON object), in either order, or when the object closes with a name and no arguments
+(arguments `{}`). From then on it is a call whatever follows: its arguments are the text written up to their closing
+brace, or up to where the caller ends the call (a closing tag, the output's end). Inside the arguments the reader
+tracks strings and nesting only, not JSON's syntax, so what a model writes there stays its arguments as written; a
+call whose arguments close is valid JSON exactly when the model wrote valid JSON (a grammar-constrained call always).
+
+Before the decision, anything that is not such an object (no opening brace, a key without its colon, a name that is
+no tool, arguments that are neither an object nor a string holding one) makes it *not a call*: the reader stops
+there (`ended`, not `decided`) and the caller gives the text it read (`raw`) back as content.
+"""
+
+import json
+
+WHITESPACE = " \t\r\n"
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+class CallReader:
+    """Reads one call object from its opening brace (whitespace before it is skipped), a piece of text at a time."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self._names = names
+        # open (before the brace), key, colon, value, after (a member read), string, nested, scalar
+        self._state = "open"
+        # what the string or nested value being read is: key, name, arguments (an object), arguments_text (a string)
+        # or skip (another member's value)
+        self._purpose = ""
+        self._value = ""  # the text of the key, name or string arguments being read
+        self._key = ""  # the member whose value comes next
+        self._escaped = False  # the last character read inside a string was an unescaped backslash
+        self._in_string = False  # inside a string within a nested value
+        self._depth = 0  # nesting inside a nested value
+        self.name: str | None = None
+        self.arguments = ""  # the arguments' text read so far
+        self._has_arguments = False
+        self.raw = ""  # the text read while the call is undecided
+        self.decided = False
+        self.ended = False  # the object has closed, or what came cannot continue it
+
+    def feed(self, text: str) -> int:
+        """Read `text` until the object ends; returns how much of it was read (the rest is not the object's)."""
+        at = 0
+        while at < len(text) and not self.ended:
+            if self._state in ("string", "nested"):
+                at = self._read_value(text, at)
+                continue
+            char = text[at]
+            if char in WHITESPACE and self._state != "scalar":
+                at += 1
+                continue
+            if not self._step(char):
+                self.ended = True
+                break
+            at += 1
+        if not self.decided:
+            self.raw += text[:at]
+        return at
+
+    def _step(self, char: str) -> bool:
+        """One character outside strings and nested values; False when it cannot continue the object (unread)."""
+        state = self._state
+        if state == "open" and char == "{":
+            self._state = "key"
+        elif state in ("key", "after") and char == "}":
+            self._close()
+        elif state == "key" and char == '"':
+            self._begin("string", "key")
+        elif state == "colon" and char == ":":
+            self._state = "value"
+        elif state == "after" and char == ",":
+            self._state = "key"
+        elif state == "value":
+            return self._begin_value(char)
+        elif state == "scalar":  # a number, true, false or null: it ends where the member does
+            if char in WHITESPACE or char in ",}":
+                self._state = "after"
+                return char in WHITESPACE or self._step(char)
+        else:
+            return False
+        return True
+
+    def _begin_value(self, char: str) -> bool:
+        if self._key == "name" and self.name is None:
+            if char != '"':
+                return False
+            self._begin("string", "name")
+        elif self._key in ARGUMENT_KEYS and not self._has_arguments:
+            if char == "{":
+                self._has_arguments = True
+                self._begin("nested", "arguments")
+                self.arguments = char
+                self._decide()
+            elif char == '"':
+                self._begin("string", "arguments_text")
+            else:
+                return False
+        elif char == '"':
+            self._begin("string", "skip")
+        elif char in "{[":
+            self._begin("nested", "skip")
+        else:
+            self._state = "scalar"
+        return True
+
+    def _begin(self, state: str, purpose: str) -> None:
+        self._state, self._purpose, self._value = state, purpose, ""
+        self._escaped, self._in_string, self._depth = False, False, 1
+
+    def _read_value(self, text: str, at: int) -> int:
+        """Read a string or a nested value on from `at`; returns where reading stopped."""
+        start, end = at, None
+        while at < len(text):
+            char = text[at]
+            at += 1
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\" and (self._state == "string" or self._in_string):
+                self._escaped = True
+            elif char == '"' and self._state == "string":
+                end = at
+                break
+            elif char == '"':
+                self._in_string = not self._in_string
+            elif self._in_string:
+                continue
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = at
+                    break
+        if self._purpose == "arguments":
+            self.arguments += text[start:at]
+        elif self._purpose != "skip":
+            self._value += text[start:at]
+        if end is not None:
+            self._state = "after"
+            if not self._value_read():
+                self.ended = True
+        return at
+
+    def _value_read(self) -> bool:
+        """A key, name, string or nested value has been read whole; False when it ends the object as not a call."""
+        if self._purpose in ("skip", "arguments"):
+            return True
+        try:
+            value = json.loads('"' + self._value)
+        except ValueError:
+            return False
+        if self._purpose == "key":
+            self._key, self._state = value, "colon"
+        elif self._purpose == "name":
+            if value not in self._names:
+                return False
+            self.name = value
+        else:  # arguments written as a JSON string: its text is the arguments when it holds an object
+            try:
+                if not isinstance(json.loads(value), dict):
+                    return False
+            except ValueError:
+                return False
+            self.arguments, self._has_arguments = value, True
+        self._decide()
+        return True
+
+    def _close(self) -> None:
+        if self.name is not None and not self._has_arguments:
+            self.arguments, self._has_arguments = "{}", True
+        self._decide()
+        self.ended = True
+
+    def _decide(self) -> None:
+        self.decided = self.decided or (self.name is not None and self._has_arguments)
