@@ -112,7 +112,8 @@ def test_kv_cache_is_sized_for_the_one_request(runtime: str) -> None:
 def test_compile_defaults_to_on_inside_cuda_graphs_only(device: str, flags: list[str], compiled: bool) -> None:
     import torch
 
-    from rbee_worker.cli import build_parser, compile_model
+    from rbee_worker.cli.choices import compile_model
+    from rbee_worker.cli.flags import build_parser
     from rbee_worker.devices import Placement
 
     args = build_parser().parse_args(["serve", "--model", "demo", *flags])
@@ -128,7 +129,8 @@ def test_block_size_and_prefix_cache_flags_reach_the_engine_config(
 ) -> None:
     import torch
 
-    from rbee_worker.cli import build_parser, engine_config
+    from rbee_worker.cli.flags import build_parser
+    from rbee_worker.cli.serve import engine_config
     from rbee_worker.devices import Placement
 
     args = build_parser().parse_args(["serve", "--model", "demo", *flags])

@@ -168,7 +168,8 @@ def test_detected_from_the_template_where_the_tokenizer_has_the_end_tag(
 
 
 def test_the_reasoning_parser_flag_reaches_the_engine_config() -> None:
-    from rbee_worker.cli import build_parser, engine_config
+    from rbee_worker.cli.flags import build_parser
+    from rbee_worker.cli.serve import engine_config
 
     placement = Placement(torch.device("cpu"), torch.float32)
     for flags, parser in (([], "auto"), (["--reasoning-parser", "none"], "none")):

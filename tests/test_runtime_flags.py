@@ -16,7 +16,8 @@ from serving import running
 from test_load_errors import assert_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rbee_worker.cli import build_parser, check_runtime_flags, runtime_for
+from rbee_worker.cli.choices import check_runtime_flags, runtime_for
+from rbee_worker.cli.flags import build_parser
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 NEW_TOKENS = 64

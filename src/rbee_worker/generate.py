@@ -8,7 +8,7 @@ import logging
 import sys
 
 from rbee_worker.api.requests import sampling_params
-from rbee_worker.cli import quantize_for, runtime_for
+from rbee_worker.cli.choices import quantize_for, runtime_for
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine

@@ -32,7 +32,7 @@ from rbee_worker.api.native import native_router
 from rbee_worker.api.openai import openai_router
 from rbee_worker.api.state import WorkerState
 from rbee_worker.api.validation import json_error_message
-from rbee_worker.cli import EXIT_FAILURE, exit_at_once
+from rbee_worker.cli.exits import EXIT_FAILURE, exit_at_once
 from rbee_worker.config import WorkerConfig
 from rbee_worker.cpu_features import cpu_features
 from rbee_worker.engine.engine import Engine

@@ -1,0 +1,229 @@
+"""`rbee-worker serve`: its flags checked (usage errors before anything loads), the worker's settings made of them,
+and the serving started: HTTP on node 0, only the ranks on a node of a higher --node-rank."""
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rbee_worker.cli.choices import check_runtime_flags, compile_model, quantize_for, runtime_for
+from rbee_worker.cli.exits import EXIT_USAGE, exit_at_once, fail
+
+if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
+    from rbee_worker.devices import Placement
+    from rbee_worker.engine.config import EngineConfig
+
+log = logging.getLogger("rbee_worker")
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's, for --nnodes above 1 without --master-port
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rbee_worker.listener import bind, is_loopback
+
+    check_runtime_flags(args)
+    check_nodes(args)
+    if args.node_rank > 0:
+        return run_node(args)
+    token = os.environ.get("LLORCH_API_TOKEN") or None
+    if token is None and not is_loopback(args.host) and not args.allow_unauthenticated:
+        fail(
+            f"--host {args.host} exposes the worker beyond this machine: set LLORCH_API_TOKEN (or pass "
+            "--allow-unauthenticated)",
+            EXIT_USAGE,
+        )
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    sock = bind(args.host, args.port)  # before the heavy imports below: a taken port fails in well under a second
+    # Until serve() installs its drain, a stop signal (nothing runs yet) simply ends the process with success. Not
+    # through SystemExit: raised in the middle of an import, transformers' lazy modules turn it into an import error.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: exit_at_once(0))
+    from rbee_worker.config import WorkerConfig
+    from rbee_worker.models.loader import check_runtime
+    from rbee_worker.server import serve
+
+    placement, devices = serve_placement(args)
+    check_runtime(args.runtime, placement.device)
+    if args.tensor_parallel > 1:
+        check_tensor_parallel(args, placement)
+    runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
+    config = WorkerConfig(
+        engine=engine_config(args, placement),
+        model=args.model,
+        placement=placement,
+        quantize=quantize,
+        runtime=runtime,
+        max_context=args.max_context,
+        chat_template=chat_template,
+        host=args.host,
+        api_token=token,
+        model_ref=args.model_ref,
+        served_model_names=tuple(args.served_model_name),
+        access_log=args.access_log,
+        drain_timeout_s=args.drain_timeout,
+        stall_timeout_s=args.stall_timeout,
+        unclaimed_job_timeout_s=args.unclaimed_job_timeout,
+        worker_id=args.worker_id,
+        callback_url=args.callback_url,
+        callback_timeout_s=args.callback_timeout,
+        heartbeat_url=args.heartbeat_url,
+        heartbeat_interval_s=args.heartbeat_interval,
+        tensor_parallel=args.tensor_parallel,
+        devices=devices,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port or (DEFAULT_MASTER_PORT if args.nnodes > 1 else None),
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    serve(config, sock)
+    # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
+    # during which it restores the default signal handlers: a second Ctrl-C then would kill the process.
+    exit_at_once(0)
+
+
+def check_nodes(args: argparse.Namespace) -> None:
+    """--nnodes / --node-rank against --tensor-parallel: usage errors before anything starts."""
+    world, nnodes = args.tensor_parallel, args.nnodes
+    if world % nnodes:
+        fail(
+            f"--tensor-parallel {world} does not spread evenly over --nnodes {nnodes}: --tensor-parallel counts the "
+            "ranks of all nodes, and must be a multiple of --nnodes",
+            EXIT_USAGE,
+        )
+    if args.node_rank >= nnodes:
+        fail(f"--node-rank {args.node_rank} is not below --nnodes {nnodes}: nodes are 0..{nnodes - 1}", EXIT_USAGE)
+
+
+def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ...] | None]":
+    """This node's first rank's placement and --devices, checked (one-line usage errors, exit 2): --devices names
+    CUDA devices the machine has, one per rank on this node; with it, the first rank runs on the first of them."""
+    from rbee_worker.devices import Placement, resolve_placement
+
+    placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
+    if args.devices is None:
+        return placement, None
+    import torch
+
+    from rbee_worker.engine.tp_ranks import check_devices, parse_devices
+
+    try:
+        devices = parse_devices(args.devices)
+        count = torch.cuda.device_count() if placement.device.type == "cuda" else 0
+        check_devices(devices, args.tensor_parallel // args.nnodes, placement.device.type, count)
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    return Placement(torch.device("cuda", devices[0]), placement.dtype), devices
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """`serve --node-rank R` (R > 0): this node's ranks of a worker whose node 0 serves HTTP; no port is bound. It
+    returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
+    from rbee_worker.engine.tp_ranks import Ranks, Topology
+
+    placement, devices = serve_placement(args)
+    if args.tensor_parallel > 1:
+        check_tensor_parallel(args, placement)
+    topology = Topology(
+        args.tensor_parallel,
+        f"tcp://{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}",
+        args.nnodes,
+        args.node_rank,
+        devices,
+    )
+    ranks = Ranks(
+        topology,
+        placement,
+        args.model,
+        quantize_for(args, placement),
+        args.max_context,
+        engine_config(args, placement).threads,
+        args.log_level,
+        args.log_format,
+    )
+
+    def stop(*_: object) -> None:
+        log.info("node %d: stopping its ranks", args.node_rank)
+        ranks.kill()
+        exit_at_once(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    code = ranks.wait()
+    if code == 0:
+        log.info("node %d: its ranks have stopped with node 0", args.node_rank)
+    exit_at_once(code)
+
+
+def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> None:
+    """--tensor-parallel N with what this version cannot split or run is a usage error, before any process starts:
+    a device other than the CPU or CUDA GPUs, --quantize int8/int4, --compile, and a model whose attention heads,
+    key/value heads or intermediate size do not divide by N (read from its config, without its weights)."""
+    from rbee_worker.models.tensor_parallel import check_divisible, read_model_config
+
+    world, device, per_node = args.tensor_parallel, placement.device, args.tensor_parallel // args.nnodes
+    if device.type not in ("cpu", "cuda"):
+        fail(f"--tensor-parallel runs on the CPU or CUDA GPUs, not on {device}: use --device cpu", EXIT_USAGE)
+    if device.type == "cuda" and args.devices is None:  # --devices is checked against the machine in serve_placement
+        import torch
+
+        if (device.index or 0) + per_node > torch.cuda.device_count():
+            fail(
+                f"--tensor-parallel {world} needs {per_node} GPUs on this node from {device}: this machine has fewer "
+                "(or name them with --devices)",
+                EXIT_USAGE,
+            )
+    if args.quantize in ("int8", "int4"):
+        fail(
+            f"--tensor-parallel splits float weights only in this version: --quantize {args.quantize} cannot go "
+            "with it; drop --quantize",
+            EXIT_USAGE,
+        )
+    if args.compile:
+        fail("--compile cannot go with --tensor-parallel in this version: drop --compile", EXIT_USAGE)
+    config, name = read_model_config(args.model)
+    check_divisible(config, world, name)  # a ModelLoadError: exit 2
+
+
+def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineConfig":
+    """The engine's settings from `serve`'s flags; under --tensor-parallel N on a CPU, each process's threads are the
+    physical cores / the ranks on this node (N / --nnodes) unless --threads is given."""
+    import psutil
+
+    from rbee_worker.engine.config import EngineConfig
+
+    threads = args.threads
+    world = getattr(args, "tensor_parallel", 1) // getattr(args, "nnodes", 1)  # the processes on this node
+    if threads is None and world > 1 and placement.device.type == "cpu":
+        threads = max(1, (psutil.cpu_count(logical=False) or 1) // world)
+    return EngineConfig(
+        deterministic=args.deterministic,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+        block_size=args.block_size,
+        prefix_caching=args.prefix_cache,
+        cuda_graphs=args.cuda_graphs,
+        compile_model=compile_model(placement, args),
+        threads=threads,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself; checked to be valid Jinja before anything loads."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    try:
+        template = path.read_text(encoding="utf-8") if path.is_file() else value
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read --chat-template {value}: {exc}", EXIT_USAGE)
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        fail(f"--chat-template is not a valid Jinja template (line {exc.lineno}: {exc.message})", EXIT_USAGE)
+    return template
