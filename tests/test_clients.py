@@ -1,6 +1,6 @@
 """Client libraries, unmodified, against a real worker on the demo model: LangChain's ChatOpenAI with structured
-output and with tools bound. Nothing but the worker may be reached: a client that needed the network (tiktoken's
-encodings, tracing) would fail where the worker runs offline."""
+output and with tools bound, invoked and streamed. Nothing but the worker may be reached: a client that needed the
+network (tiktoken's encodings, tracing) would fail where the worker runs offline."""
 
 import ipaddress
 import socket
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from conftest import SHARED_TOKEN, SharedWorkers
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 from serving import DEMO_NAME, Worker
@@ -100,6 +100,26 @@ def test_langchain_bound_tools_give_validated_tool_calls(worker: Worker, loopbac
         for call in reply.tool_calls:
             assert call["name"] in expected and call["id"], call
             {"GetWeather": GetWeather, "AddNumbers": AddNumbers}[call["name"]].model_validate(call["args"])
+
+
+@pytest.mark.slow
+def test_langchain_streams_tool_calls_as_they_are_generated(worker: Worker, loopback_only: list[Any]) -> None:
+    """bind_tools with "any", streamed: LangChain's tool-call chunks carry the arguments in several pieces, and the
+    chunks added up give the call that the same request gives unstreamed (the prompt cached by the first)."""
+    model = chat_model(worker, 100).bind_tools([GetWeather, AddNumbers], tool_choice="any")
+    ask = "Add 2 and 3."
+    reply = model.invoke(ask)
+    chunks = list(model.stream(ask))
+    assert all(isinstance(chunk, AIMessageChunk) for chunk in chunks)
+    pieces = [piece for chunk in chunks for piece in chunk.tool_call_chunks if piece["args"]]
+    assert len(pieces) > 1, chunks
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole += chunk
+    assert [(c["name"], c["args"]) for c in whole.tool_calls] == [(c["name"], c["args"]) for c in reply.tool_calls]
+    assert whole.tool_calls and whole.tool_calls[0]["id"], whole
+    for call in whole.tool_calls:
+        {"GetWeather": GetWeather, "AddNumbers": AddNumbers}[call["name"]].model_validate(call["args"])
 
 
 @pytest.mark.slow
