@@ -32,15 +32,15 @@ class CallReader:
         # what the string or nested value being read is: key, name, arguments (an object), arguments_text (a string)
         # or skip (another member's value)
         self._purpose = ""
-        self._value = ""  # the text of the key, name or string arguments being read
+        self._value: list[str] = []  # the text of the key, name or string arguments being read
         self._key = ""  # the member whose value comes next
         self._escaped = False  # the last character read inside a string was an unescaped backslash
         self._in_string = False  # inside a string within a nested value
         self._depth = 0  # nesting inside a nested value
         self.name: str | None = None
-        self.arguments = ""  # the arguments' text read so far
+        self._unsent: list[str] = []  # the arguments' text read and not yet taken
         self._has_arguments = False
-        self.raw = ""  # the text read while the call is undecided
+        self._raw: list[str] = []  # the text read while the call is undecided
         self.decided = False
         self.ended = False  # the object has closed, or what came cannot continue it
 
@@ -60,8 +60,19 @@ class CallReader:
                 break
             at += 1
         if not self.decided:
-            self.raw += text[:at]
+            self._raw.append(text[:at])
         return at
+
+    @property
+    def raw(self) -> str:
+        """The text read while the call was undecided: all of it, for a call that is not one."""
+        return "".join(self._raw)
+
+    def take(self) -> str:
+        """The arguments' text read since the last take."""
+        text = "".join(self._unsent)
+        self._unsent.clear()
+        return text
 
     def _step(self, char: str) -> bool:
         """One character outside strings and nested values; False when it cannot continue the object (unread)."""
@@ -95,7 +106,7 @@ class CallReader:
             if char == "{":
                 self._has_arguments = True
                 self._begin("nested", "arguments")
-                self.arguments = char
+                self._unsent.append(char)
                 self._decide()
             elif char == '"':
                 self._begin("string", "arguments_text")
@@ -110,7 +121,7 @@ class CallReader:
         return True
 
     def _begin(self, state: str, purpose: str) -> None:
-        self._state, self._purpose, self._value = state, purpose, ""
+        self._state, self._purpose, self._value = state, purpose, []
         self._escaped, self._in_string, self._depth = False, False, 1
 
     def _read_value(self, text: str, at: int) -> int:
@@ -138,9 +149,9 @@ class CallReader:
                     end = at
                     break
         if self._purpose == "arguments":
-            self.arguments += text[start:at]
+            self._unsent.append(text[start:at])
         elif self._purpose != "skip":
-            self._value += text[start:at]
+            self._value.append(text[start:at])
         if end is not None:
             self._state = "after"
             if not self._value_read():
@@ -152,7 +163,7 @@ class CallReader:
         if self._purpose in ("skip", "arguments"):
             return True
         try:
-            value = json.loads('"' + self._value)
+            value = json.loads('"' + "".join(self._value))
         except ValueError:
             return False
         if self._purpose == "key":
@@ -167,13 +178,15 @@ class CallReader:
                     return False
             except ValueError:
                 return False
-            self.arguments, self._has_arguments = value, True
+            self._unsent.append(value)
+            self._has_arguments = True
         self._decide()
         return True
 
     def _close(self) -> None:
         if self.name is not None and not self._has_arguments:
-            self.arguments, self._has_arguments = "{}", True
+            self._unsent.append("{}")
+            self._has_arguments = True
         self._decide()
         self.ended = True
 

@@ -125,10 +125,10 @@ class StreamedCalls:
         self._names = names
         self._reader: CallReader | None = None
         self._count = 0  # the calls decided so far
-        self._sent = -1  # how much of the reader's arguments has gone out (-1: not its header yet)
+        self._headed = False  # whether the open call's first delta has gone out
 
     def _open_call(self) -> None:
-        self._reader, self._sent = CallReader(self._names), -1
+        self._reader, self._headed = CallReader(self._names), False
 
     def _read_call(self, text: str) -> tuple[int, Piece]:
         """Feed the open call `text`: how much of it the call read, and the deltas that makes."""
@@ -136,14 +136,11 @@ class StreamedCalls:
         used = self._reader.feed(text)
         if not self._reader.decided:
             return used, Piece()
-        arguments = self._reader.arguments
-        if self._sent < 0:
-            self._count += 1
-            delta = CallDelta(self._count - 1, arguments, new_call_id(), self._reader.name)
-        else:
-            delta = CallDelta(self._count - 1, arguments[self._sent :])
-        self._sent = len(arguments)
-        return used, Piece(calls=[delta] if delta.id or delta.arguments else [])
+        arguments = self._reader.take()
+        if self._headed:
+            return used, Piece(calls=[CallDelta(self._count - 1, arguments)] if arguments else [])
+        self._count, self._headed = self._count + 1, True
+        return used, Piece(calls=[CallDelta(self._count - 1, arguments, new_call_id(), self._reader.name)])
 
     def _end_call(self) -> str | None:
         """Close the open call: None when it is a call, else the text it read (content as written)."""
