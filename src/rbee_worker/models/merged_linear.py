@@ -10,6 +10,8 @@ with any other input computes the product again, so the result is right whatever
 depends on it.
 """
 
+import itertools
+
 import torch
 
 from rbee_worker.models.int4_linear import Int4Linear
@@ -49,15 +51,23 @@ class SharedProduct(torch.nn.Module):
 
 
 class ProjectionSlice(torch.nn.Module):
-    """Output columns start..stop of a SharedProduct, in place of the linear layer they came from."""
+    """Output columns start..stop of a SharedProduct, in place of the linear layer they came from.
+
+    The bounds are the shape of an empty buffer (`columns`: [start, 0, width]), not int attributes: where compiled.py
+    makes the modules' ints dynamic (the CUDA decoder layers), int bounds would be symbolic, and inductor then copies
+    the product of two slices (the MLP's silu(gate) * up) once more before the next matrix product, a kernel more in
+    every layer of every step. The shapes of buffers stay static."""
 
     def __init__(self, product: SharedProduct, start: int, stop: int) -> None:
         super().__init__()
-        self.product, self.start, self.stop = product, start, stop
+        self.product = product
         self.in_features, self.out_features = product.layer.in_features, stop - start
+        device = next(itertools.chain(product.layer.parameters(), product.layer.buffers())).device
+        self.register_buffer("columns", torch.empty(start, 0, stop - start, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product.read(x)[..., self.start : self.stop]
+        start, _, width = self.columns.shape
+        return self.product.read(x)[..., start : start + width]
 
 
 def merge_projections(model: torch.nn.Module) -> int:
