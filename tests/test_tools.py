@@ -3,8 +3,8 @@ format in every split of the text, streamed as they are written (a call's header
 arguments' text), broken calls under the header rule; tools, calls and tool results in prompts whose templates do or
 do not render them; forced calls' grammars; request checks; and the demo model on both runtimes through the openai
 client: named and required calls at temperature 1.0 whose arguments validate, a call read from what the model writes
-(`auto`) after a conversation that shows one, streamed deltas (a call's arguments in several chunks) that concatenate
-to the non-streamed message."""
+(`auto`) after a conversation that shows one, a call cut by max_tokens after its header, streamed deltas (a call's
+arguments in several chunks) that concatenate to the non-streamed message."""
 
 import json
 import random
@@ -451,6 +451,29 @@ def test_forced_calls_validate_at_temperature_one(client: openai.OpenAI) -> None
         stream, chunks = streamed(client, **asked)
         assert stream == (None, calls, "tool_calls")
         assert chunks[0] > 1  # the arguments arrive as they are generated, not whole at the end
+
+
+@pytest.mark.slow
+def test_a_call_cut_by_max_tokens_keeps_its_arguments_as_written(client: openai.OpenAI) -> None:
+    """tool_choice required, greedy, cut by max_tokens inside the call's arguments: the call stays, its arguments the
+    text as far as it was written, finish_reason `length`; streamed, the same."""
+    asked = {
+        "model": DEMO_NAME,
+        "messages": [{"role": "user", "content": "What will the weather be in Oslo for the next three days?"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**asked, max_tokens=100)  # also puts the prompt in the prefix cache
+    [(name, arguments)] = calls_of(whole)
+    assert whole.usage is not None and whole.choices[0].finish_reason == "tool_calls"
+    cut = {**asked, "max_tokens": whole.usage.completion_tokens - 3}
+    reply = client.chat.completions.create(**cut)
+    [(cut_name, cut_arguments)] = calls_of(reply)
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content is None
+    assert cut_name == name and arguments.startswith(cut_arguments) and 0 < len(cut_arguments) < len(arguments)
+    assert streamed(client, **cut)[0] == (None, calls_of(reply), "length")
 
 
 @pytest.mark.slow
