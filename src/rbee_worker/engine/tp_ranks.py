@@ -70,6 +70,7 @@ from rbee_worker.engine.runner import (
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.tensor_parallel import shard_loaded
+from rbee_worker.models.tp_loading import loading_shard
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -282,13 +283,14 @@ def receive(group: dist.ProcessGroup) -> object:
 def load_shard(
     rank: int, world: int, load: Callable[[], LoadedModel], device: str
 ) -> tuple[LoadedModel, list[RankReport]]:
-    """Load the model and cut this rank's shard (after `join`); every rank's report (one gather), in rank order. So
-    every rank learns whether every other one loaded, and a model that fails anywhere ends every rank with an error,
-    never a hang in a later collective: this rank's own error is raised as it is, another rank's as a
-    ModelLoadError."""
+    """Load this rank's shard (after `join`; models/tp_loading.py) and cut what loaded whole; every rank's report
+    (one gather), in rank order. So every rank learns whether every other one loaded, and a model that fails anywhere
+    ends every rank with an error, never a hang in a later collective: this rank's own error is raised as it is,
+    another rank's as a ModelLoadError."""
     loaded, error = None, None
     try:
-        loaded = shard_loaded(load(), rank, world)
+        with loading_shard(rank, world):  # a safetensors directory: only this rank's part is read
+            loaded = shard_loaded(load(), rank, world)
     except Exception as exc:  # reported to every rank below
         error = exc
     own = RankReport(device, error=None if error is None else f"rank {rank} could not load the model: {error}")

@@ -19,6 +19,7 @@ from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.models.quantize import quantize_linears
+from rbee_worker.models.tp_loading import load_shard_weights, shard_to_load
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -31,7 +32,8 @@ def load_hf_directory(
     config = read_config(path)
     model_class = causal_lm_class(config, path)
     shards = weight_files(path)
-    weight_bytes = weight_elements(shards) * dtype.itemsize
+    shard = shard_to_load(quantize)  # a tensor-parallel rank's part alone (models/tp_loading.py), or None
+    weight_bytes = weight_elements(shards) * dtype.itemsize // (shard.world if shard else 1)
     check_fits(weight_bytes, device, f"the weights of {path.name}")
     progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes)
     tokenizer = load_tokenizer(path)
@@ -39,15 +41,20 @@ def load_hf_directory(
     try:
         # Shape mismatches are reported by check_loading_info: transformers' own error points at a log report that
         # the CLI silences.
-        with progress.counting_parameters():
-            model, loading_info = model_class.from_pretrained(
-                path,
-                config=config,
-                dtype=dtype,
-                device_map={"": device} if device.type != "cpu" else None,
-                ignore_mismatched_sizes=True,
-                output_loading_info=True,
+        if shard is not None:
+            model, loading_info = load_shard_weights(
+                path, model_class, config, shards, dtype, device, shard, quantize, progress
             )
+        else:
+            with progress.counting_parameters():
+                model, loading_info = model_class.from_pretrained(
+                    path,
+                    config=config,
+                    dtype=dtype,
+                    device_map={"": device} if device.type != "cpu" else None,
+                    ignore_mismatched_sizes=True,
+                    output_loading_info=True,
+                )
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(f"not enough memory on {device} to load {path.name}; use a smaller model") from exc
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:

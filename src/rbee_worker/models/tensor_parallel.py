@@ -24,7 +24,8 @@ Quantized layers (Int8Linear, Int4Linear, Int8Embedding: a GGUF file's own types
 to the whole model at load) are cut from their codes and scales (models/tp_cuts.py), so every rank holds exactly its
 part of what one process holds.
 
-What it does not do yet: each rank loads the whole model before cutting it; the final norm is replicated.
+A rank loads only its shard of a safetensors directory (models/tp_loading.py); a GGUF file, or a directory under
+--quantize int8, loads whole on each rank before the cut. The final norm is replicated.
 """
 
 import dataclasses
@@ -118,6 +119,11 @@ class VocabParallelHead(torch.nn.Module):
         self.linear, self.shard, self.group = linear, shard, group
         self.in_features, self.out_features = linear.in_features, shard.vocab
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """This rank's rows of the head's weight (read where the model's head weight is looked at: its device)."""
+        return self.linear.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.linear(x).contiguous()
         if self.shard.rank != 0:
@@ -186,10 +192,12 @@ def read_model_config(spec: str) -> tuple[PretrainedConfig, str]:
 
 
 def shard_loaded(loaded: LoadedModel, rank: int, world: int, group: dist.ProcessGroup | None = None) -> LoadedModel:
-    """The loaded model cut to rank `rank`'s shard (see shard_model), its weight bytes measured again."""
+    """The loaded model cut to rank `rank`'s shard (see shard_model; one that loaded as its shard stays as it is), its
+    weight bytes measured again."""
     if loaded.info.runtime != "torch":
         raise ModelLoadError("tensor parallelism runs on the torch runtime; use --runtime torch (or auto)")
-    shard_model(loaded.model, rank, world, loaded.info.name, group)
+    if getattr(loaded.model, "tp_shard", None) != (rank, world):  # not cut as it loaded (models/tp_loading.py)
+        shard_model(loaded.model, rank, world, loaded.info.name, group)
     info = dataclasses.replace(loaded.info, weight_bytes=tensor_bytes(loaded.model))
     return dataclasses.replace(loaded, info=info)
 
@@ -238,6 +246,7 @@ def shard_model(
             if hasattr(mlp, "intermediate_size"):
                 mlp.intermediate_size = local_inter
         _split_vocabulary(model, rank, world, name, group)
+    model.tp_shard = (rank, world)
     text.head_dim = head_dim  # written out: hidden_size // num_attention_heads no longer gives it
     text.num_attention_heads, text.num_key_value_heads, text.intermediate_size = local_heads, local_kv, local_inter
 

@@ -11,8 +11,12 @@ packed layout of the device they are on (PyTorch's CPU layout in blocks of 32 or
 words of 8 inputs); on a CPU whose layout does not unpack for the layer's row count the cut is refused.
 
 Every part is a copy: the whole matrix's storage is freed with the layer it came from. Rows past the source (a
-vocabulary padded to whole shards) are zero; nothing reads what they compute.
+vocabulary padded to whole shards) are zero; nothing reads what they compute. Each part records where it came from
+(`Cut`, as its `tp_cut` attribute), so that a rank that loads only its shard (models/tp_loading.py) reads those rows
+or columns of the stored tensor.
 """
+
+import dataclasses
 
 import torch
 
@@ -22,6 +26,27 @@ from rbee_worker.models.int4_linear import Int4Linear, cpu_pack_block, unpack_cp
 from rbee_worker.models.int8_linear import Int8Embedding, Int8Linear
 
 CUTS = (torch.nn.Linear, Int8Linear, Int4Linear)  # the linear layers this module cuts
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """Where a part's weight comes from: `count` rows (dim 0) or columns (dim 1) of the whole from `start`; a bias
+    follows a cut of rows and is absent from a cut of columns."""
+
+    dim: int
+    start: int
+    count: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of a whole weight or bias (rows past its end zero)."""
+        if self.dim == 0 or tensor.dim() == 1:
+            return rows(tensor, self.start, self.count)
+        return tensor[:, self.start : self.start + self.count].clone()
+
+
+def marked(module: torch.nn.Module, cut: Cut) -> torch.nn.Module:
+    module.tp_cut = cut
+    return module
 
 
 def rows(tensor: torch.Tensor | None, start: int, count: int) -> torch.Tensor | None:
@@ -38,6 +63,10 @@ def rows(tensor: torch.Tensor | None, start: int, count: int) -> torch.Tensor | 
 
 def keep_rows(layer: torch.nn.Module, start: int, count: int) -> torch.nn.Module:
     """The layer with only output rows start..start+count (and their bias): column parallel."""
+    return marked(_rows_of(layer, start, count), Cut(0, start, count))
+
+
+def _rows_of(layer: torch.nn.Module, start: int, count: int) -> torch.nn.Module:
     if type(layer) is torch.nn.Linear:
         return _linear(rows(layer.weight.detach(), start, count), rows(_data(layer.bias), start, count))
     if isinstance(layer, Int8Linear):
@@ -53,26 +82,39 @@ def keep_rows(layer: torch.nn.Module, start: int, count: int) -> torch.nn.Module
 def keep_columns(layer: torch.nn.Module, start: int, count: int, name: str) -> torch.nn.Module:
     """The layer with only input columns start..start+count and no bias (a row-parallel layer adds its bias once,
     after the sum); `name` (the layer's place in the model) for the error of an int4 cut inside a group."""
+    return marked(_columns_of(layer, start, count, name), Cut(1, start, count))
+
+
+def _columns_of(layer: torch.nn.Module, start: int, count: int, name: str) -> torch.nn.Module:
     columns = slice(start, start + count)
     if type(layer) is torch.nn.Linear:
         return _linear(layer.weight.detach()[:, columns].clone(), None)
     if isinstance(layer, Int8Linear):
         return Int8Linear(layer.codes[:, columns].clone(), layer.scales.clone(), None)
     if isinstance(layer, Int4Linear):
-        if start % INT4_GROUP or count % INT4_GROUP:
-            raise ModelLoadError(
-                f"{name} is int4 in groups of {INT4_GROUP} inputs, and its {layer.in_features} inputs split into "
-                f"parts of {count}, which cut its groups: use a --tensor-parallel that leaves each rank a multiple of "
-                f"{INT4_GROUP} inputs, or --quantize int8"
-            )
+        check_groups(layer.in_features, start, count, name)
         codes, scales, zeros = int4_parts(layer)
         groups = slice(start // INT4_GROUP, (start + count) // INT4_GROUP)
         return Int4Linear(codes[:, columns].clone(), scales[:, groups].clone(), zeros[:, groups].clone(), None)
     raise TypeError(f"cannot cut {type(layer).__name__}")
 
 
+def check_groups(in_features: int, start: int, count: int, name: str) -> None:
+    """Raise ModelLoadError, naming the sizes, where int4 columns start..start+count cut a group of 32 inputs."""
+    if start % INT4_GROUP or count % INT4_GROUP:
+        raise ModelLoadError(
+            f"{name} is int4 in groups of {INT4_GROUP} inputs, and its {in_features} inputs split into parts of "
+            f"{count}, which cut its groups: use a --tensor-parallel that leaves each rank a multiple of {INT4_GROUP} "
+            "inputs, or --quantize int8"
+        )
+
+
 def keep_embedding_rows(embedding: torch.nn.Module, start: int, count: int) -> torch.nn.Module:
     """The token embedding with only rows start..start+count (a vocabulary shard)."""
+    return marked(_embedding_rows_of(embedding, start, count), Cut(0, start, count))
+
+
+def _embedding_rows_of(embedding: torch.nn.Module, start: int, count: int) -> torch.nn.Module:
     if type(embedding) is torch.nn.Embedding:
         kept = torch.nn.Embedding(count, embedding.embedding_dim, device="meta")
         kept.weight = torch.nn.Parameter(rows(embedding.weight.detach(), start, count), requires_grad=False)

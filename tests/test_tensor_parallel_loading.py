@@ -1,0 +1,90 @@
+"""Each tensor-parallel rank loads only its shard of a safetensors directory (models/tp_loading.py, issue 32).
+
+A random Llama of about 350 MB in float32 (its embedding and LM head untied, so all but its norms split) is loaded by
+a rank of 2, reading only its part of each tensor, and by one process whole: the rank's peak resident memory (the
+kernel's high-water mark VmHWM, the same imports in both, after one forward has read every weight; not getrusage's
+ru_maxrss, which keeps the forking test process's peak across exec) is lower by at least a quarter of the model's
+size (half of it is what a rank leaves out). That the shards compute the whole model's logits is
+tests/test_tensor_parallel.py's (its ranks load this way).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model
+from serving import free_port
+
+# Run by each process: rank, world (0: the whole model in one process, no process group), port, MODEL, where to write
+# the peak RSS in bytes.
+RSS_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from rbee_worker.devices import Placement
+from rbee_worker.engine.tp_ranks import load_shard
+from rbee_worker.models.loader import load_model
+rank, world, port, spec, out = sys.argv[1:]
+rank, world = int(rank), int(world)
+torch.set_num_threads(1)
+load = lambda: load_model(spec, Placement(torch.device("cpu"), torch.float32), runtime="torch")
+if world:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    loaded, _ = load_shard(rank, world, load, "cpu")
+else:
+    loaded = load()
+with torch.inference_mode():  # every weight read once, as serving reads them (a whole load maps its file lazily)
+    loaded.model(input_ids=torch.tensor([[1, 2, 3]]))
+status = open("/proc/self/status").read().split("VmHWM:")[1]
+peak = int(status.split()[0]) * 1024
+json.dump({"peak": peak, "weights": loaded.info.weight_bytes}, open(out, "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    """A random Llama of 88M parameters (350 MB in float32): tiny, but larger than the noise in a process's memory."""
+    directory = tmp_path_factory.mktemp("mid-llama-tp")
+    return make_tiny_model(
+        directory,
+        "llama",
+        demo_tokenizer_dir,
+        vocab_size=8192,  # the layers, not the embedding, make most of it (the forward's ids are below 8192)
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+
+
+def peaks(spec: str, world: int, tmp_path: Path) -> list[dict]:
+    """Each process's peak RSS and weight bytes: `world` ranks, or (0) one process loading the whole model."""
+    port = str(free_port())
+    outs = [tmp_path / f"rss-{world}-{rank}.json" for rank in range(max(world, 1))]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", RSS_SCRIPT, str(rank), str(world), port, spec, str(out)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, out in enumerate(outs)
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def test_a_rank_holds_less_than_the_whole_model_at_its_peak(mid_llama: Path, tmp_path: Path) -> None:
+    (whole,) = peaks(str(mid_llama), 0, tmp_path)
+    ranks = peaks(str(mid_llama), 2, tmp_path)
+    model_bytes = whole["weights"]
+    assert model_bytes > 300e6, model_bytes
+    for rank in ranks:
+        assert rank["weights"] < 0.52 * model_bytes, (rank["weights"], model_bytes)  # half, and the norms whole
+    for rank in ranks:
+        assert rank["peak"] < whole["peak"] - model_bytes / 4, (rank["peak"], whole["peak"], model_bytes)
+    sizes = [round(rank["peak"] / 1e6) for rank in ranks]
+    print(f"weights {model_bytes / 1e6:.0f} MB; peak RSS {whole['peak'] / 1e6:.0f} MB whole, {sizes} MB as ranks")
