@@ -25,7 +25,7 @@ def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     flags = ("--max-batch", "1", "--max-queue", "0", "--served-model-name", NAME)
     with (
         running(tmp_path_factory.mktemp("metrics"), *flags, fork=True) as worker,
-        httpx.Client(base_url=worker.url) as http,
+        httpx.Client(base_url=worker.url, timeout=120) as http,
     ):
         yield http
 
@@ -53,11 +53,15 @@ def test_refusals_and_results_by_vllms_labels(http: httpx.Client) -> None:
     client = openai.OpenAI(base_url=str(http.base_url.join("/v1")), api_key="unused", max_retries=0, timeout=120)
     long_job = {"job_id": uuid.uuid4().hex, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0}
     with http.stream("POST", "/execute", json=long_job) as running_job:
-        take_tokens(sse_events(running_job), 2)  # the one slot is taken
+        # Held until the block ends: a reader of the stream that is dropped closes its connection, which cancels the
+        # job at the worker's next write.
+        events = sse_events(running_job)
+        take_tokens(events, 2)  # the one slot is taken
         busy = [
             http.post("/execute", json={"job_id": uuid.uuid4().hex, "prompt": PROMPT}),
             http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}),
         ]
+        take_tokens(events, 1)  # the job still ran after the refusals
         refusals = [(r.status_code, r.headers.get("retry-after")) for r in busy]
         assert refusals == [(503, "1"), (503, "1")], ([r.text for r in busy], http.get("/health").text)
     wait_idle(http)  # the client left: its job is cancelled (finished_reason abort)
