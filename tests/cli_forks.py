@@ -61,11 +61,14 @@ class CliForks:
         assert self.can_run(environ), "run commands that change these as plain processes"
         return self._request(args, {"environ": environ, "cwd": os.getcwd(), "timeout": max(1, round(timeout))})
 
-    def spawn(self, environ: dict[str, str], args: tuple[str, ...], stderr: Path) -> "ForkedProcess":
+    def spawn(
+        self, environ: dict[str, str], args: tuple[str, ...], stderr: Path, fault: str | None = None
+    ) -> "ForkedProcess":
         """The command started in the whole environment `environ` (can_run's), stdout to /dev/null and stderr to the
-        file `stderr`, not waited for: a Popen's view of it."""
+        file `stderr`, not waited for: a Popen's view of it. `fault`: FAULT:N of tests/fault_worker.py, injected in
+        the child before the command runs."""
         assert self.can_run(environ), "run commands that change these as plain processes"
-        request = {"op": "spawn", "environ": environ, "cwd": os.getcwd(), "timeout": 0}
+        request = {"op": "spawn", "environ": environ, "cwd": os.getcwd(), "timeout": 0, "fault": fault}
         answer = self._ask({"args": list(args), "stdout": os.devnull, "stderr": str(stderr), **request})
         return ForkedProcess(self, answer["pid"], ["rbee-worker", *args])
 
@@ -152,6 +155,11 @@ def _child(request: dict) -> None:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # not the zygote's requests
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        if fault := request.get("fault"):  # as `python tests/fault_worker.py FAULT:N ARGS...` injects it
+            import fault_worker
+
+            name, count = fault.split(":")
+            fault_worker.inject(name, int(count))
         code = main(request["args"])
     except SystemExit as exc:
         if isinstance(exc.code, str):

@@ -97,14 +97,14 @@ def launch(
     """`rbee-worker serve` on the demo; `fault`: with that fault injected (see tests/fault_worker.py). `fork`: forked
     from the session's zygote (cli_forks.shared), which has imported torch and transformers, unless `env` changes a
     variable read at import: about 5 s less per start, for tests that do not watch the imports (their time, a signal
-    during them)."""
+    during them); a fault is then injected in the forked child."""
     port = port or free_port()
     stderr_path = log_dir / f"worker-{port}-{uuid.uuid4().hex[:6]}.stderr"
     args = ("serve", "--model", "demo", "--port", str(port), *flags)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if fork and fault is None and (zygote := cli_forks.shared()).can_run(full_env):
+    if fork and (zygote := cli_forks.shared()).can_run(full_env):
         stderr_path.touch()
-        return Worker(zygote.spawn(full_env, args, stderr_path), port, stderr_path)
+        return Worker(zygote.spawn(full_env, args, stderr_path, fault), port, stderr_path)
     program = ["-m", "rbee_worker"] if fault is None else [str(Path(__file__).with_name("fault_worker.py")), fault]
     with stderr_path.open("wb") as stderr:
         process = subprocess.Popen(

@@ -40,6 +40,7 @@ def test_a_context_that_cannot_decode_makes_the_worker_unhealthy_and_exit(tmp_pa
         "--heartbeat-url", f"{manager.url}/beat",
         "--heartbeat-interval", "30",
         fault="poison:20",
+        fork=True,
     )  # fmt: skip
     try:
         worker.wait_healthy()
@@ -83,7 +84,7 @@ def test_a_context_that_cannot_decode_makes_the_worker_unhealthy_and_exit(tmp_pa
 
 
 def test_a_forward_that_fails_once_fails_its_requests_and_the_worker_stays_healthy(tmp_path: Path) -> None:
-    worker = launch(tmp_path, fault="once:12")
+    worker = launch(tmp_path, fault="once:12", fork=True)
     try:
         worker.wait_healthy()
         streams = execute_together(worker.url, STREAMS, 24)
@@ -103,7 +104,7 @@ def test_a_forward_that_fails_once_fails_its_requests_and_the_worker_stays_healt
 
 
 def test_a_bug_in_output_processing_is_an_internal_error_of_its_request(tmp_path: Path) -> None:
-    worker = launch(tmp_path, fault="output:3")
+    worker = launch(tmp_path, fault="output:3", fork=True)
     try:
         worker.wait_healthy()
         with httpx.Client(base_url=worker.url, timeout=60) as http:
