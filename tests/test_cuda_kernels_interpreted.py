@@ -145,28 +145,23 @@ KV_WRITE_CHECKS = textwrap.dedent(
 )
 
 
-def test_int4_kernels_in_the_triton_interpreter() -> None:
+def run_interpreted(checks: str) -> None:
+    """Run `checks` in a child process with Triton's interpreter; it must print "ok"."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", checks], env=env, capture_output=True, text=True, timeout=600, check=False
     )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])
+
+
+def test_int4_kernels_in_the_triton_interpreter() -> None:
+    run_interpreted(CHECKS)
 
 
 def test_paged_decode_attention_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", DECODE_CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])
+    run_interpreted(DECODE_CHECKS)
 
 
 def test_kv_write_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", KV_WRITE_CHECKS], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-3000:])
+    run_interpreted(KV_WRITE_CHECKS)
