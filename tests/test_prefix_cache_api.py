@@ -182,7 +182,7 @@ FLAGS = ("--runtime", "torch", "--quantize", "none", "--dtype", "float32")
 
 @pytest.fixture(scope="module")
 def cached_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    with running(tmp_path_factory.mktemp("prefix-cache"), *FLAGS) as worker:
+    with running(tmp_path_factory.mktemp("prefix-cache"), *FLAGS, fork=True) as worker:
         yield worker
 
 
@@ -242,7 +242,7 @@ def test_a_repeated_prompt_is_found_in_the_prefix_cache(cached_worker: Worker) -
 @pytest.mark.slow
 def test_no_prefix_cache_computes_every_prompt(tmp_path_factory: pytest.TempPathFactory) -> None:
     log_dir = tmp_path_factory.mktemp("no-prefix-cache")
-    with running(log_dir, *FLAGS, "--no-prefix-cache") as worker:
+    with running(log_dir, *FLAGS, "--no-prefix-cache", fork=True) as worker:
         client = client_of(worker)
         first, second = ask(client), ask(client)
         assert [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)] == [0, 0]
@@ -263,7 +263,7 @@ def test_llama_cpp_finds_a_repeated_prompt_in_its_own_cache(tmp_path_factory: py
     from rbee_worker.engine.llama_cpp_runner import UNIFORM_ROWS
 
     log_dir = tmp_path_factory.mktemp("llama-cpp-prefix-cache")
-    with running(log_dir, "--runtime", "llama.cpp", "--max-batch", "2", "--threads", "2") as worker:
+    with running(log_dir, "--runtime", "llama.cpp", "--max-batch", "2", "--threads", "2", fork=True) as worker:
         client = client_of(worker)
         prompt_tokens = httpx.post(f"{worker.url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()["count"]
         first, second = ask(client), ask(client)
