@@ -188,11 +188,12 @@ def test_auto_runtime_picks_torch_and_float_weights_under_tensor_parallel() -> N
     assert quantize_for(args, Placement(CPU, torch.bfloat16)) == "none"
 
 
-def completions(url: str) -> list[dict]:
-    """The PROMPTS' greedy completions of NEW_TOKENS tokens each (EOS ignored), sent at once so that they batch."""
+def completions(url: str, logprobs: int = 0) -> list[dict]:
+    """The PROMPTS' greedy completions of NEW_TOKENS tokens each (EOS ignored), sent at once so that they batch, with
+    the `logprobs` most likely tokens at each position."""
 
     def complete(prompt: str) -> dict:
-        body = {"model": "demo", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 0}
+        body = {"model": "demo", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": logprobs}
         response = httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=600)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]

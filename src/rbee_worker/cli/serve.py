@@ -160,8 +160,10 @@ def run_node(args: argparse.Namespace) -> int:
 
 def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> None:
     """--tensor-parallel N with what this version cannot split or run is a usage error, before any process starts:
-    a device other than the CPU or CUDA GPUs, --quantize int8/int4, --compile, and a model whose attention heads,
-    key/value heads or intermediate size do not divide by N (read from its config, without its weights)."""
+    a device other than the CPU or CUDA GPUs, --compile, and a model that does not split N ways (its attention heads
+    or intermediate size do not divide by N, or its key/value heads neither divide by N nor into it: read from its
+    config, without its weights). An int4 layer that a split would cut inside a group is refused by the ranks'
+    load (models/tp_cuts.py), once its types are known."""
     from rbee_worker.models.tensor_parallel import check_divisible, read_model_config
 
     world, device, per_node = args.tensor_parallel, placement.device, args.tensor_parallel // args.nnodes
@@ -176,12 +178,6 @@ def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> N
                 "(or name them with --devices)",
                 EXIT_USAGE,
             )
-    if args.quantize in ("int8", "int4"):
-        fail(
-            f"--tensor-parallel splits float weights only in this version: --quantize {args.quantize} cannot go "
-            "with it; drop --quantize",
-            EXIT_USAGE,
-        )
     if args.compile:
         fail("--compile cannot go with --tensor-parallel in this version: drop --compile", EXIT_USAGE)
     config, name = read_model_config(args.model)
