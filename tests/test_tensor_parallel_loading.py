@@ -5,7 +5,8 @@ a rank of 2, reading only its part of each tensor, and by one process whole: the
 kernel's high-water mark VmHWM, the same imports in both, after one forward has read every weight; not getrusage's
 ru_maxrss, which keeps the forking test process's peak across exec) is lower by at least a quarter of the model's
 size (half of it is what a rank leaves out). That the shards compute the whole model's logits is
-tests/test_tensor_parallel.py's (its ranks load this way).
+tests/test_tensor_parallel.py's (its ranks load this way), and here the demo model's safetensors directory's over 3
+ranks.
 """
 
 import json
@@ -14,8 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import make_tiny_model
 from serving import free_port
+from test_tensor_parallel import sharded, whole_logits
 
 # Run by each process: rank, world (0: the whole model in one process, no process group), port, MODEL, where to write
 # the peak RSS in bytes.
@@ -88,3 +91,9 @@ def test_a_rank_holds_less_than_the_whole_model_at_its_peak(mid_llama: Path, tmp
         assert rank["peak"] < whole["peak"] - model_bytes / 4, (rank["peak"], whole["peak"], model_bytes)
     sizes = [round(rank["peak"] / 1e6) for rank in ranks]
     print(f"weights {model_bytes / 1e6:.0f} MB; peak RSS {whole['peak'] / 1e6:.0f} MB whole, {sizes} MB as ranks")
+
+
+def test_the_demo_directory_loads_as_3_shards_that_compute_its_logits(demo_hf_dir: Path, tmp_path: Path) -> None:
+    result = sharded(str(demo_hf_dir), 3, tmp_path)
+    torch.testing.assert_close(result["logits"], whole_logits(str(demo_hf_dir)), rtol=0, atol=1e-4)
+    assert result["kv_shape"] == (1, 64)  # 3 key/value heads, one a rank

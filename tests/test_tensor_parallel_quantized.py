@@ -2,7 +2,8 @@
 
 - The cuts (models/tp_cuts.py): a rank's part of an Int8Linear or Int4Linear (rows, or columns on whole groups of 32)
   dequantizes to exactly that part of the whole layer's matrix; an int4 cut inside a group is refused, naming sizes.
-- Logits: `--quantize int8` / `int4` of a tiny random Llama over 2 ranks, and the demo GGUF file's own matrices over
+- Logits: `--quantize int8` / `int4` of a tiny random Llama over 2 ranks, of the demo's safetensors directory over 3
+  ranks (int4: each rank quantizes the float shard it loaded alone), and the demo GGUF file's own matrices over
   3 ranks (Q4_1 layers kept as int4, and its Q8_0 embedding, tied to its LM head: one int8 matrix that both read, cut
   once), against the same load in one process. The weights are the same, but the kernels compute in bfloat16 and a
   row-parallel layer rounds N partial sums where one process rounds one, so the bound is stated against the exact
@@ -99,6 +100,11 @@ def tiny_llama_int4_shape(tmp_path_factory: pytest.TempPathFactory, demo_tokeniz
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantize_at_load_over_2_ranks(tiny_llama_int4_shape: Path, tmp_path: Path, quantize: str) -> None:
     assert_within_the_bound(str(tiny_llama_int4_shape), 2, quantize, tmp_path)
+
+
+def test_demo_directory_quantized_at_load_over_3_ranks(demo_hf_dir: Path, tmp_path: Path) -> None:
+    """Each rank quantizes the float shard it loaded alone (models/tp_loading.py): the same int4 groups."""
+    assert_within_the_bound(str(demo_hf_dir), 3, "int4", tmp_path)
 
 
 def test_demo_gguf_keeps_its_quantized_matrices_over_3_ranks(tmp_path: Path) -> None:
