@@ -4,7 +4,8 @@ model computes.
 - The sharding itself (models/tensor_parallel.py), each rank loading as a worker's rank does: a tiny random Llama (12
   heads, 6 key/value heads, biases everywhere, a vocabulary that splits into padded shards), cut over 2 and 3
   processes that this test starts, gives the unsharded model's logits within 1e-5; so does a tiny Qwen2 with 2
-  key/value heads over 4 ranks (each replicated on 2) and a tied LM head.
+  key/value heads over 4 ranks (each replicated on 2) and a tied LM head, whose `serve --tensor-parallel 4` gives
+  one process's greedy tokens.
 - `serve --model demo --dtype float32 --tensor-parallel 3 --device cpu` gives token for token the greedy output of
   one process with `--dtype float32` (3 prompts x 48 tokens, sent together); SIGTERM then stops every rank.
 - What cannot be split or run is refused with one `error:` line, exit 2: the demo's 9 heads over 2 ranks, the
@@ -121,11 +122,10 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Pat
 @pytest.fixture(scope="module")
 def tiny_qwen2_2_kv_heads(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
     """A random Qwen2 with 8 attention heads and 2 key/value heads (so over 4 ranks each key/value head is on 2),
-    and its LM head tied to the embedding."""
+    its LM head tied to the embedding, and a vocabulary of 49160 (4 shards of 12352, padded)."""
     directory = tmp_path_factory.mktemp("tiny-qwen2-tp")
-    return make_tiny_model(
-        directory, "qwen2", demo_tokenizer_dir, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
-    )
+    shape = {"num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 49160}
+    return make_tiny_model(directory, "qwen2", demo_tokenizer_dir, tie_word_embeddings=True, **shape)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -139,6 +139,19 @@ def test_key_value_heads_fewer_than_ranks_are_replicated(tiny_qwen2_2_kv_heads: 
     result = sharded(str(tiny_qwen2_2_kv_heads), 4, tmp_path)
     torch.testing.assert_close(result["logits"], whole_logits(str(tiny_qwen2_2_kv_heads)), rtol=0, atol=1e-5)
     assert result["kv_shape"] == (1, 8)  # one key/value head on each rank
+
+
+def test_serve_over_4_ranks_with_2_key_value_heads_gives_one_process_tokens(
+    tiny_qwen2_2_kv_heads: Path, tmp_path: Path
+) -> None:
+    """Through the engine (its attention, the paged KV cache of one key/value head a rank, the padded vocabulary)."""
+    model = str(tiny_qwen2_2_kv_heads)
+    flags = ("--model", model, "--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.1")
+    with running(tmp_path, *flags) as worker:
+        alone = completions(worker.url, model=model)
+    with running(tmp_path, *flags, "--tensor-parallel", "4") as worker:
+        split = completions(worker.url, model=model)
+    assert [c["logprobs"]["tokens"] for c in split] == [c["logprobs"]["tokens"] for c in alone]
 
 
 def test_the_vocabulary_splits_into_padded_shards() -> None:
@@ -188,12 +201,12 @@ def test_auto_runtime_picks_torch_and_float_weights_under_tensor_parallel() -> N
     assert quantize_for(args, Placement(CPU, torch.bfloat16)) == "none"
 
 
-def completions(url: str, logprobs: int = 0) -> list[dict]:
-    """The PROMPTS' greedy completions of NEW_TOKENS tokens each (EOS ignored), sent at once so that they batch, with
-    the `logprobs` most likely tokens at each position."""
+def completions(url: str, logprobs: int = 0, model: str = "demo") -> list[dict]:
+    """The PROMPTS' greedy completions of NEW_TOKENS tokens each (EOS ignored) from MODEL, sent at once so that they
+    batch, with the `logprobs` most likely tokens at each position."""
 
     def complete(prompt: str) -> dict:
-        body = {"model": "demo", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": logprobs}
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": logprobs}
         response = httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=600)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
