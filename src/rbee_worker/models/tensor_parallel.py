@@ -121,7 +121,7 @@ class VocabParallelHead(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """This rank's rows of the head's weight (read where the model's head weight is looked at: its device)."""
+        """This rank's rows of the head's weight, for what reads a head's `weight` (models/quantize.py: its device)."""
         return self.linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
