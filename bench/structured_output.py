@@ -13,7 +13,10 @@ count N in --streams:
 
 A rate is decode tokens/s of a request ((completion tokens - 1) over the time from its first content chunk to its
 last), averaged over the measured requests of a round; the ratio is the median constrained rate over --repeats rounds
-over the median unconstrained one. The grammar's compile time and the mask time per token come from /metrics.
+over the median unconstrained one. `steady_ratio` is the same ratio over the part of each round in which every request
+of it has its first token and no measured one has ended: what a constrained row costs the step loop once running,
+apart from the start (the requests' arrival, their prefills). The grammar's compile time and the mask time per token
+come from /metrics.
 
     PYTHONPATH=src python bench/structured_output.py --model demo --device cpu --runtime llama.cpp
     PYTHONPATH=src python bench/structured_output.py --model demo --device cpu --runtime torch --streams 4
@@ -79,7 +82,7 @@ async def timed(client: httpx.AsyncClient, body: dict) -> dict:
     """One streamed chat request: its decode rate, completion tokens and finish reason."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     first = last = 0.0
-    usage, finish, text = {}, None, []
+    usage, finish, text, times = {}, None, [], []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -93,8 +96,19 @@ async def timed(client: httpx.AsyncClient, body: dict) -> dict:
                     last = time.perf_counter()
                     first = first or last
                     text.append(choice["delta"]["content"])
+                    times.append(last)
     tokens = usage["completion_tokens"]
-    return {"rate": (tokens - 1) / (last - first), "tokens": tokens, "finish": finish, "text": "".join(text)}
+    rate = (tokens - 1) / (last - first)
+    return {"rate": rate, "tokens": tokens, "finish": finish, "text": "".join(text), "times": times}
+
+
+def steady_rate(results: list[dict], measured: list[dict]) -> float:
+    """Content chunks per second and measured request, from the last first chunk of all `results` to the first last
+    chunk of the `measured` ones."""
+    start = max(r["times"][0] for r in results)
+    end = min(r["times"][-1] for r in measured)
+    chunks = sum(1 for r in measured for t in r["times"] if start < t <= end)
+    return chunks / (end - start) / len(measured) if end > start else float("nan")
 
 
 async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -> dict[str, float]:
@@ -110,6 +124,7 @@ async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -
                 raise SystemExit(f"error: the constrained output did not end within max_tokens: {cut['text']}")
             measured = results[1:] if case == "beside" else results
             rates[mode] = statistics.mean(r["rate"] for r in measured)
+            rates[f"{mode}_steady"] = steady_rate(results, measured)
             rates[f"{mode}_tokens"] = results[0]["tokens"]
     return rates
 
@@ -182,10 +197,12 @@ def measure(
     mask_s = after["rbee:grammar_mask_seconds_total"] - compiled["rbee:grammar_mask_seconds_total"]
     plain = statistics.median(r["unconstrained"] for r in rounds)
     constrained = statistics.median(r["json_schema"] for r in rounds)
+    steady = statistics.median(r["json_schema_steady"] for r in rounds)
     return {
         "unconstrained_tok_s": plain,
         "json_schema_tok_s": constrained,
         "ratio": constrained / plain,
+        "steady_ratio": steady / statistics.median(r["unconstrained_steady"] for r in rounds),
         "json_schema_tokens": statistics.median(r["json_schema_tokens"] for r in rounds),
         "compile_s": compiled["rbee:grammar_compile_seconds_total"] - before["rbee:grammar_compile_seconds_total"],
         "cache_hits": after["rbee:grammar_cache_hits_total"] - compiled["rbee:grammar_cache_hits_total"],
@@ -196,16 +213,17 @@ def measure(
 
 def print_table(result: dict, args: argparse.Namespace) -> None:
     print(f"\n{args.model} on {args.device} ({result['runtime']}), {result['machine']}")
-    print("| case | streams | traffic | unconstrained tok/s | json_schema tok/s | ratio | compile s | cache hits |"
-          " mask us/token |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | streams | traffic | unconstrained tok/s | json_schema tok/s | ratio | steady ratio | compile s |"
+          " cache hits | mask us/token |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in result["cases"]:
         for traffic in SAMPLING:
             cell = row[traffic]
             mask = cell["mask_us_per_token"]
             print(
                 f"| {row['case']} | {row['streams']} | {traffic} | {cell['unconstrained_tok_s']:.1f} "
-                f"| {cell['json_schema_tok_s']:.1f} | {cell['ratio']:.3f} | {cell['compile_s']:.3f} "
+                f"| {cell['json_schema_tok_s']:.1f} | {cell['ratio']:.3f} | {cell['steady_ratio']:.3f} "
+                f"| {cell['compile_s']:.3f} "
                 f"| {cell['cache_hits']:.0f} | {'-' if mask is None else f'{mask:.1f}'} |"
             )
 
