@@ -80,7 +80,7 @@ def quantize_for(args: argparse.Namespace, placement: "Placement") -> str:
 
     if args.quantize == "auto" and getattr(args, "tensor_parallel", 1) > 1:
         if names_gguf(args.model):
-            log.info("quantize: none, because --tensor-parallel splits float weights only in this version")
+            log.info("quantize: none, because --tensor-parallel keeps quantized weights only with --quantize int4|int8")
         return "none"
     if args.quantize != "auto" or args.dtype == "auto" or placement.dtype == KERNEL_DTYPE:
         return args.quantize
