@@ -103,12 +103,18 @@ async def timed(client: httpx.AsyncClient, body: dict) -> dict:
 
 
 def steady_rate(results: list[dict], measured: list[dict]) -> float:
-    """Content chunks per second and measured request, from the last first chunk of all `results` to the first last
-    chunk of the `measured` ones."""
+    """Tokens per second and measured request, from the last first chunk of all `results` to the first last chunk of
+    the `measured` ones: each request's content chunks in that window, counted at its tokens per chunk (a chunk may
+    carry several tokens' text)."""
     start = max(r["times"][0] for r in results)
     end = min(r["times"][-1] for r in measured)
-    chunks = sum(1 for r in measured for t in r["times"] if start < t <= end)
-    return chunks / (end - start) / len(measured) if end > start else float("nan")
+    if end <= start:
+        return float("nan")
+    tokens = 0.0
+    for r in measured:
+        per_chunk = (r["tokens"] - 1) / max(1, len(r["times"]) - 1)
+        tokens += per_chunk * sum(1 for t in r["times"] if start < t <= end)
+    return tokens / (end - start) / len(measured)
 
 
 async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -> dict[str, float]:
