@@ -82,8 +82,9 @@ def print_summary(case: str, rates: dict, summary: dict) -> None:
         print(f"| {row['us_per_step']:.1f} | {row['calls_per_step']:.1f} | `{row['kernel']}` |")
 
 
-def run_case(engine: object, requests: list, args: argparse.Namespace, trace: Path) -> dict:
-    """The requests at once; tokens/s before, during and after a profiled window (see the module docstring)."""
+def run_case(engine: object, requests: list, args: argparse.Namespace, trace: Path | None) -> dict:
+    """The requests at once; tokens/s before, during and after a profiled window (see the module docstring), whose
+    trace goes to `trace` (None: a warm-up, run to its end and neither timed nor profiled)."""
     import torch
 
     from rbee_worker.engine.types import Token
@@ -98,6 +99,10 @@ def run_case(engine: object, requests: list, args: argparse.Namespace, trace: Pa
     threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(len(requests))]
     for thread in threads:
         thread.start()
+    if trace is None:
+        for thread in threads:
+            thread.join()
+        return {}
     while min(len(t) for t in times) < 30:
         time.sleep(0.005)
 
@@ -155,23 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     def plain(prompt: tuple[int, ...] = chat) -> Request:
         return Request(prompt, max_tokens=length, sampling=greedy, ignore_eos=True)
 
-    def cases() -> dict[str, list[Request]]:
-        grammar = engine.grammars.compile(GrammarSpec.json_schema(structured_output.schema(40))).result()
-        constrained = Request(chat, max_tokens=4 * length, sampling=greedy, grammar=grammar)
-        longs = [plain((1000 + i, *ids[:1999])) for i in range(64)]
-        return {"plain64": [plain() for _ in range(64)], "beside64": [constrained] + [plain() for _ in range(63)],
-                "long64": longs, "batch1": [plain()]}  # fmt: skip
+    def requests_for(case: str) -> list[Request]:
+        if case == "beside64":
+            grammar = engine.grammars.compile(GrammarSpec.json_schema(structured_output.schema(40))).result()
+            constrained = Request(chat, max_tokens=4 * length, sampling=greedy, grammar=grammar)
+            return [constrained, *(plain() for _ in range(63))]
+        if case == "long64":
+            return [plain((1000 + i, *ids[:1999])) for i in range(64)]
+        return [plain() for _ in range(1 if case == "batch1" else 64)]  # each its own request id
 
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    run_case(engine, [plain() for _ in range(64)], args, args.out / "warm.trace.json.gz")  # the first steps' costs
-    (args.out / "warm.trace.json.gz").unlink()
+    run_case(engine, requests_for("plain64"), args, None)  # the first steps' costs
     for case in args.cases:
         if case == "long64":  # caches the prompts' prefixes: the timed run's streams all decode together
-            run_case(engine, cases()["long64"], args, args.out / "long_warm.trace.json.gz")
-            (args.out / "long_warm.trace.json.gz").unlink()
+            run_case(engine, requests_for("long64"), args, None)
         trace = args.out / f"{case}.trace.json.gz"
-        rates = run_case(engine, cases()[case], args, trace)
+        rates = run_case(engine, requests_for(case), args, trace)
         results[case] = {"rates": rates, **summarize(trace)}
         print_summary(case, rates, results[case])
     engine.close()

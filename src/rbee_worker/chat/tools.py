@@ -126,6 +126,14 @@ class StreamedCalls:
         self._reader: CallReader | None = None
         self._count = 0  # the calls decided so far
         self._headed = False  # whether the open call's first delta has gone out
+        self._held = ""  # text not yet read: what may still begin a tag or an opening
+
+    def feed(self, text: str) -> Piece:
+        return self._read(self._held + text, final=False)
+
+    def _read(self, text: str, final: bool) -> Piece:
+        """Read `text`; unless `final`, hold back (in `_held`) what may still begin a tag or an opening."""
+        raise NotImplementedError
 
     def _open_call(self) -> None:
         self._reader, self._headed = CallReader(self._names), False
@@ -156,13 +164,9 @@ class HermesCalls(StreamedCalls):
 
     def __init__(self, names: frozenset[str]) -> None:
         super().__init__(names)
-        self._held = ""  # text not yet read: a possible tag's beginning
         # text; call (inside a call's tags); closing (its JSON has ended, its closing tag is still to come);
         # after (a call has ended: whitespace is not content)
         self._mode = "text"
-
-    def feed(self, text: str) -> Piece:
-        return self._read(self._held + text, final=False)
 
     def finish(self) -> Piece:
         piece = self._read(self._held, final=True)
@@ -171,7 +175,6 @@ class HermesCalls(StreamedCalls):
         return piece
 
     def _read(self, text: str, final: bool) -> Piece:
-        """Read `text`; unless `final`, hold back its end when it may begin a tag."""
         piece = Piece()
         while text:
             if self._mode == "call":
@@ -235,12 +238,8 @@ class JsonCalls(StreamedCalls):
     def __init__(self, names: frozenset[str], openings: tuple[str, ...]) -> None:
         super().__init__(names)
         self._openings = openings  # the marker token's text (when the detokenizer keeps it), and the JSON's opening
-        self._held = ""  # the output's beginning, while it may still be an opening
         self._mode = "start"  # start, between (calls), call (in one), text
         self._syntax = ""  # what was read as calls' syntax while no call is made: content if none comes
-
-    def feed(self, text: str) -> Piece:
-        return self._read(self._held + text, final=False)
 
     def finish(self) -> Piece:
         piece = self._read(self._held, final=True)

@@ -9,10 +9,10 @@ forward once before ready). What is compiled depends on the device, each choice 
   the CUDA graphs it replays, the compiled decode step is faster than the plain one and close to the whole model
   compiled. Two things would otherwise compile every layer for itself, both because of the layer's int
   `layer_idx`: dynamo treats int attributes of modules as constants (`allow_unspec_int_on_nn_module` makes them
-  inputs), and the KV cache's `update` indexes a Python list with it, so it runs uncompiled (its two index writes are
-  two kernels either way): a graph break between the projections and the attention, which costs nothing inside a
-  graph replay. The model's final norm and its rotary embedding are compiled too, each a frame of its own: run
-  eagerly they are about thirty small kernels a step.
+  inputs), and the KV cache's `update` indexes a Python list with it, so it runs uncompiled (its write is a kernel of
+  its own either way, engine/kv_write.py): a graph break between the projections and the attention, which costs
+  nothing inside a graph replay. The model's final norm and its rotary embedding are compiled too, each a frame of
+  its own: run eagerly they are about thirty small kernels a step.
 - CPU: the whole model, for decode steps only (prompt forwards run it eagerly: ModelRunner._eager_prompts says why).
   Outside CUDA graphs every compiled frame evaluates its guards at each call, and the graph breaks would stop
   inductor from fusing across them: with the layers compiled one by one the demo model's int4 decode is slower

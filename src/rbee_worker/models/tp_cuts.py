@@ -37,12 +37,6 @@ class Cut:
     start: int
     count: int
 
-    def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This part of a whole weight or bias (rows past its end zero)."""
-        if self.dim == 0 or tensor.dim() == 1:
-            return rows(tensor, self.start, self.count)
-        return tensor[:, self.start : self.start + self.count].clone()
-
 
 def marked(module: torch.nn.Module, cut: Cut) -> torch.nn.Module:
     module.tp_cut = cut
