@@ -4,7 +4,8 @@ the same cases on another build of the worker (--previous: a src/ directory, e.g
 same run.
 
 Each case runs on a fresh `rbee-worker serve` process; requests go through POST /v1/completions, streamed, prompts
-as token ids, `ignore_eos` (every stream generates exactly --gen-tokens), greedy unless --sampling chat. Cases:
+as token ids, `ignore_eos` (every stream generates exactly --gen-tokens), greedy; with `--sampling greedy chat` the
+decode cases run again at temperature 0.7, top_p 0.9 (results keyed `<case>@chat`). Cases:
 
 - `batch1`: one stream after a 32-token prompt: decode tokens/s (first token to last) and its ratio to the ceiling
   (bytes/s the GPU reads over the weight bytes plus the KV bytes one step reads);
@@ -58,7 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case on one worker (median)")
     parser.add_argument("--chat-requests", type=int, default=24)
     parser.add_argument("--system-tokens", type=int, default=1500)
-    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    parser.add_argument(
+        "--sampling",
+        nargs="+",
+        choices=sorted(SAMPLING),
+        default=["greedy"],
+        help="the decode cases' sampling, each on the same worker (chat: temperature 0.7, top_p 0.9)",
+    )
     parser.add_argument("--worker-flag", action="append", default=[], help="a flag for the worker (repeatable)")
     parser.add_argument("--out", type=Path, default=Path(f"rbee-bench-{time.strftime('%Y%m%d-%H%M%S')}"))
     return parser.parse_args(argv)
@@ -124,35 +131,35 @@ def measure(args: argparse.Namespace, spec: dict, src: Path | None, flags: list[
     """The decode cases on one worker (median of --repeats each)."""
     log = work / f"worker_{len(list(work.iterdir()))}.log"
     process, url = worker(args, log, src, flags)
-    sampling = SAMPLING[args.sampling]
     out: dict = {}
     try:
         for case in args.cases:
             if case in ("chat", "shared64"):
                 continue
-            runs = []
-            # A first run untimed: it compiles nothing (the worker warmed up before ready) but fills the prefix cache,
-            # so that in the timed runs the streams' prompts take no prefill rounds and they all decode together.
-            for _ in range(args.repeats + 1):
-                if case == "batch1":
-                    times = asyncio.run(run_streams(url, prompts(spec, 1, 32), args.gen_tokens, sampling))[0]
-                    runs.append((len(times) - 2) / (times[-1] - times[1]))
-                elif case == "long1":
-                    p = prompts(spec, 1, args.long_prompt)
-                    times = asyncio.run(run_streams(url, p, args.gen_tokens, sampling))[0]
-                    runs.append((len(times) - 2) / (times[-1] - times[1]))
-                elif case == "batch64":
-                    p = prompts(spec, args.streams, 32)
-                    runs.append(decode_rate(asyncio.run(run_streams(url, p, args.gen_tokens, sampling))))
-                elif case == "long64":
-                    p = prompts(spec, args.streams, args.shared_prompt)
-                    runs.append(decode_rate(asyncio.run(run_streams(url, p, args.gen_tokens, sampling))))
-            out[case] = {"tok_s": statistics.median(runs[1:]), "runs": runs[1:], "untimed_first": runs[0]}
+            for mode in args.sampling:
+                key = case if mode == "greedy" else f"{case}@{mode}"
+                out[key] = decode_case(url, case, spec, args, SAMPLING[mode])
         out["weight_bytes"] = logged_weight_bytes(log)
     finally:
         process.terminate()
         process.wait(60)
     return out
+
+
+def decode_case(url: str, case: str, spec: dict, args: argparse.Namespace, sampling: dict) -> dict:
+    """One decode case's tokens/s, the median of --repeats runs after an untimed first run: it compiles nothing (the
+    worker warmed up before ready) but fills the prefix cache, so that in the timed runs the streams' prompts take no
+    prefill rounds and they all decode together."""
+    runs = []
+    for _ in range(args.repeats + 1):
+        if case in ("batch1", "long1"):
+            p = prompts(spec, 1, 32 if case == "batch1" else args.long_prompt)
+            times = asyncio.run(run_streams(url, p, args.gen_tokens, sampling))[0]
+            runs.append((len(times) - 2) / (times[-1] - times[1]))
+        else:
+            p = prompts(spec, args.streams, 32 if case == "batch64" else args.shared_prompt)
+            runs.append(decode_rate(asyncio.run(run_streams(url, p, args.gen_tokens, sampling))))
+    return {"tok_s": statistics.median(runs[1:]), "runs": runs[1:], "untimed_first": runs[0]}
 
 
 def shared_ttft(args: argparse.Namespace, spec: dict, src: Path | None, flags: list[str], work: Path) -> dict:
@@ -316,12 +323,13 @@ def print_table(result: dict) -> None:
     ceiling = result.get("ceiling_tok_s", {})
     print("| case | this tok/s | x ceiling | previous tok/s | this / previous |")
     print("|---|---|---|---|---|")
-    for case in ("batch1", "batch64", "long1", "long64"):
-        this = result.get("this", {}).get(case, {}).get("tok_s")
+    for key, measured in result.get("this", {}).items():
+        this = measured.get("tok_s") if isinstance(measured, dict) else None
         if this is None:
             continue
-        prev = result.get("previous", {}).get(case, {}).get("tok_s")
-        cells = [case, f"{this:.1f}", f"{this / ceiling[case]:.2f}" if case in ceiling else ""]
+        case = key.split("@")[0]
+        prev = result.get("previous", {}).get(key, {}).get("tok_s")
+        cells = [key, f"{this:.1f}", f"{this / ceiling[case]:.2f}" if case in ceiling else ""]
         cells += [f"{prev:.1f}" if prev else "", f"{this / prev:.3f}" if prev else ""]
         print("| " + " | ".join(cells) + " |")
     if shared := result.get("shared64"):
