@@ -27,7 +27,7 @@ from serving import Manager, free_port, launch, read_rest, sse_events, take_toke
 from test_load_errors import assert_error
 
 from rbee_worker.devices import Placement
-from rbee_worker.engine.tp_ranks import Topology, check_devices, parse_devices, rank_placement
+from rbee_worker.engine.tp_messages import Topology, check_devices, parse_devices, rank_placement
 
 PROMPTS = ["Once upon a time, in a small village by the sea,", "def fibonacci(n):"]
 NEW_TOKENS = 24

@@ -318,7 +318,8 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
 def start_ranks(config: WorkerConfig) -> "Ranks":
     """Under --tensor-parallel N: this node's other ranks started now (engine/tp_ranks.py), so that they load
     while this process, rank 0, loads; the other nodes' ranks join at the rendezvous."""
-    from rbee_worker.engine.tp_ranks import Ranks, Topology, free_port
+    from rbee_worker.engine.tp_messages import Topology
+    from rbee_worker.engine.tp_ranks import Ranks, free_port
 
     port = config.master_port or free_port(config.master_addr)
     topology = Topology(

@@ -108,7 +108,7 @@ def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ..
         return placement, None
     import torch
 
-    from rbee_worker.engine.tp_ranks import check_devices, parse_devices
+    from rbee_worker.engine.tp_messages import check_devices, parse_devices
 
     try:
         devices = parse_devices(args.devices)
@@ -122,7 +122,8 @@ def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ..
 def run_node(args: argparse.Namespace) -> int:
     """`serve --node-rank R` (R > 0): this node's ranks of a worker whose node 0 serves HTTP; no port is bound. It
     returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
-    from rbee_worker.engine.tp_ranks import Ranks, Topology
+    from rbee_worker.engine.tp_messages import Topology
+    from rbee_worker.engine.tp_ranks import Ranks
 
     placement, devices = serve_placement(args)
     if args.tensor_parallel > 1:

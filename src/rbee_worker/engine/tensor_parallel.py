@@ -1,8 +1,9 @@
-"""Tensor parallelism's runners (the processes, their rendezvous and messages: engine/tp_ranks.py). Rank 0's runner,
-TensorParallelRunner, is the Runner protocol of engine/runner.py around rank 0's own TorchRunner over its shard: each
-forward's rows go to the other ranks (Ranks.send) before rank 0 computes the forward itself, so that every rank runs
-the same forwards in the same order and their collectives pair up. Every other rank runs a FollowerRunner: the same
-forwards, whose logits (its vocabulary shard's) go to rank 0 in the LM head's gather (models/tensor_parallel.py).
+"""Tensor parallelism's runners (the processes and their rendezvous: engine/tp_ranks.py; the messages:
+engine/tp_messages.py). Rank 0's runner, TensorParallelRunner, is the Runner protocol of engine/runner.py around rank
+0's own TorchRunner over its shard: each forward's rows go to the other ranks (Ranks.send) before rank 0 computes the
+forward itself, so that every rank runs the same forwards in the same order and their collectives pair up. Every other
+rank runs a FollowerRunner: the same forwards, whose logits (its vocabulary shard's) go to rank 0 in the LM head's
+gather (models/tensor_parallel.py).
 
 What only rank 0 needs stays there: the sampling state (`assign`, `masks`: the logits are sampled on rank 0 alone) and
 the block accounting (`evict`, `release`, `reuse`: the torch runner keeps nothing beyond the KV blocks, whose tables
@@ -33,7 +34,8 @@ from rbee_worker.engine.runner import (
 )
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.torch_runner import TorchRunner, size_pool
-from rbee_worker.engine.tp_ranks import LOST_WAIT_S, Forward, RankReport, Ranks, RunnerSetup, first_line
+from rbee_worker.engine.tp_messages import Forward, RankReport, RunnerSetup
+from rbee_worker.engine.tp_ranks import LOST_WAIT_S, Ranks, first_line
 from rbee_worker.models.loaded import LoadedModel
 
 _T = TypeVar("_T")

@@ -37,18 +37,8 @@ def main() -> None:
     import torch
 
     from rbee_worker.engine.tensor_parallel import FollowerRunner, runner_reports
-    from rbee_worker.engine.tp_ranks import (
-        Forward,
-        Ping,
-        RankSetup,
-        RunnerSetup,
-        Stop,
-        control_group,
-        join,
-        load_shard,
-        receive,
-        start_beating,
-    )
+    from rbee_worker.engine.tp_messages import Forward, Ping, RankSetup, RunnerSetup, Stop
+    from rbee_worker.engine.tp_ranks import control_group, join, load_shard, receive, start_beating
     from rbee_worker.logs import configure_logging
     from rbee_worker.models.loader import load_model
 

@@ -1,28 +1,24 @@
-"""Tensor parallelism's processes and what crosses between them: one `serve` runs a model split over N ranks
-(models/tensor_parallel.py), rank 0 in its own process (HTTP, the scheduler, the sampler) and the other ranks of its
-node in processes that it starts itself (engine/tp_rank.py, each with a FollowerRunner), joined by torch.distributed:
-gloo on CPUs, NCCL on CUDA GPUs.
-Rank 0's runner and the other ranks' runner are engine/tensor_parallel.py's.
+"""Tensor parallelism's processes: one `serve` runs a model split over N ranks (models/tensor_parallel.py), rank 0 in
+its own process (HTTP, the scheduler, the sampler) and the other ranks of its node in processes that it starts itself
+(engine/tp_rank.py, each with a FollowerRunner), joined by torch.distributed: gloo on CPUs, NCCL on CUDA GPUs. Where
+the ranks run and the messages that cross between them are engine/tp_messages.py's; rank 0's runner and the other
+ranks' runner are engine/tensor_parallel.py's.
 
-Nodes (torchrun's and vLLM's conventions): --tensor-parallel N is the whole world, spread evenly over --nnodes K
-(N / K ranks a node; global rank = node rank x N / K + local rank), joined through torch.distributed's TCP rendezvous
-at --master-addr:--master-port (node 0's rank 0 hosts it). Node 0 runs rank 0 and its local ranks; every other node
-runs `serve ... --node-rank R`, which binds no HTTP port and only starts and watches its N / K ranks (`Ranks.wait`).
-On CUDA, local rank i takes the i-th GPU of --devices (by default: from --device's index upward).
+Nodes: node 0's rank 0 hosts the rendezvous. Node 0 runs rank 0 and its local ranks; every other node runs
+`serve ... --node-rank R`, which binds no HTTP port and only starts and watches its ranks (`Ranks.wait`).
 
 Every rank runs the same forwards over its shard in the same order, so that their all-reduces pair up: rank 0's
 runner (TensorParallelRunner: the Runner protocol of engine/runner.py around rank 0's own TorchRunner) sends each
-forward's rows (the plain PromptRow / DecodeRow dataclasses, pickled) to the other ranks before it computes the
-forward itself. Ranks on node 0 read them from their stdin pipe: a pipe needs no timeout while the worker idles, and
-a rank whose rank 0 has died reads the end of it. Ranks on other nodes, which no pipe reaches, receive them through a
-broadcast over a gloo process group of their own (the control group: rank 0 and the other nodes' ranks, gloo even
-where the forwards' group is NCCL). The pipe stays for node 0's ranks because it is the cheaper of the two: a
-forward's message and one all-reduce take about a millisecond less over a pipe than over the broadcast with 2 ranks,
-and about three with 3 (bench/results/README.md, "tensor parallel control messages"). On the control group rank 0
-also sends a Ping every PING_S while it has nothing else to send, so that a rank on another node tells an idle rank 0
-(a Ping within CONTROL_TIMEOUT) from one that is gone (a failed or timed-out broadcast), and a Stop when it stops. A
-forward's message and the forward itself hold one lock, so that a Ping is only broadcast while every rank waits on
-the control group.
+forward's rows (a Forward, pickled) to the other ranks before it computes the forward itself. Ranks on node 0 read
+them from their stdin pipe: a pipe needs no timeout while the worker idles, and a rank whose rank 0 has died reads the
+end of it. Ranks on other nodes, which no pipe reaches, receive them through a broadcast over a gloo process group of
+their own (the control group: rank 0 and the other nodes' ranks, gloo even where the forwards' group is NCCL). The
+pipe stays for node 0's ranks because it is the cheaper of the two: a forward's message and one all-reduce take about
+a millisecond less over a pipe than over the broadcast with 2 ranks, and about three with 3 (bench/results/README.md,
+"tensor parallel control messages"). On the control group rank 0 also sends a Ping every PING_S while it has nothing
+else to send, so that a rank on another node tells an idle rank 0 (a Ping within CONTROL_TIMEOUT) from one that is
+gone (a failed or timed-out broadcast), and a Stop when it stops. A forward's message and the forward itself hold one
+lock, so that a Ping is only broadcast while every rank waits on the control group.
 
 What rank 0 reports for all ranks (/health, the ready callback, /metrics): each rank's device, weight bytes and
 memory, gathered once when every rank has made its runner (`runner_reports`); a rank's KV cache is as large as rank
@@ -51,29 +47,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from rbee_worker.devices import Placement
-from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.runner import (
-    DecodeRow,
-    DeviceFault,
-    KvGeometry,
-    PromptRow,
-)
+from rbee_worker.engine.runner import DeviceFault
+from rbee_worker.engine.tp_messages import Ping, RankReport, RankSetup, Stop, Topology, rank_placement
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.tensor_parallel import shard_loaded
 from rbee_worker.models.tp_loading import loading_shard
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 POLL_S = 0.1  # how often rank 0 looks at its ranks' processes
 LOST_WAIT_S = 1.0  # after a failed collective, how long to look for the rank whose exit failed it
@@ -89,121 +77,6 @@ CONTROL_TIMEOUT = timedelta(seconds=30)
 # moved for BEAT_TIMEOUT_S for lost (a stopped process, a host gone without closing its connections).
 BEAT_S = 1.0
 BEAT_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where the ranks run: `world` ranks over `nnodes` nodes, `world // nnodes` on each, this process on node
-    `node_rank`; `init_method` the rendezvous (tcp://host:port of node 0); `devices` the CUDA device index of each
-    local rank (None: from rank 0's device upward)."""
-
-    world: int
-    init_method: str
-    nnodes: int = 1
-    node_rank: int = 0
-    devices: tuple[int, ...] | None = None
-
-    @property
-    def per_node(self) -> int:
-        return self.world // self.nnodes
-
-    @property
-    def first(self) -> int:
-        """This node's first global rank."""
-        return self.node_rank * self.per_node
-
-    def remote(self, rank: int) -> bool:
-        """Whether global rank `rank` runs on another node than rank 0 (and so reads the control group)."""
-        return rank >= self.per_node
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """What a rank beyond 0 needs to load its shard: the first message down its pipe."""
-
-    rank: int  # global
-    world: int
-    per_node: int  # ranks on each node: the ranks from per_node up read the control group
-    init_method: str  # torch.distributed's rendezvous: tcp://host:port of rank 0
-    model: str
-    placement: Placement  # this rank's device
-    quantize: str
-    max_context: int | None
-    threads: int | None  # torch's CPU threads
-    log_level: str
-    log_format: str | None
-
-
-@dataclass(frozen=True)
-class RunnerSetup:
-    """The engine's settings and the KV pool's geometry, as rank 0 decided them: the second message."""
-
-    config: EngineConfig
-    kv: KvGeometry
-
-
-@dataclass(frozen=True)
-class Forward:
-    """One forward's rows, as rank 0 runs it: prompt chunks, or decode rows."""
-
-    prompts: list[PromptRow]
-    decodes: list[DecodeRow]
-
-
-@dataclass(frozen=True)
-class Ping:
-    """Rank 0 is there and idle (the control group only)."""
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Rank 0 stops: the rank exits 0 (the control group only; a pipe closes instead)."""
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What each rank tells every other: once its shard is loaded, its device and its error (`load_shard`); once its
-    runner is made, also its weight bytes as prepared for serving and its memory (`runner_reports`)."""
-
-    device: str
-    weight_bytes: int = 0
-    memory_bytes: int = 0
-    error: str | None = None
-
-
-def parse_devices(text: str) -> tuple[int, ...]:
-    """--devices: CUDA device indices, comma separated, each once (`2,3`); ValueError naming what is wrong."""
-    parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() for part in parts):
-        raise ValueError(f"--devices {text}: expected CUDA device indices separated by commas, such as 2,3")
-    devices = tuple(int(part) for part in parts)
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"--devices {text} names a device more than once")
-    return devices
-
-
-def check_devices(devices: tuple[int, ...], per_node: int, device_type: str, device_count: int) -> None:
-    """--devices against this node's ranks and the machine: ValueError (a usage error) when they are not CUDA devices,
-    when their count is not the ranks on this node, or when the machine lacks one of them."""
-    listed = ",".join(map(str, devices))
-    if device_type != "cuda":
-        raise ValueError(f"--devices {listed} names CUDA GPUs, and this worker runs on {device_type}: drop --devices")
-    if len(devices) != per_node:
-        raise ValueError(
-            f"--devices {listed} names {len(devices)} GPU(s) for {per_node} rank(s) on this node "
-            "(--tensor-parallel / --nnodes): give one device per rank"
-        )
-    if missing := [index for index in devices if index >= device_count]:
-        raise ValueError(f"--devices {listed}: this machine has {device_count} CUDA device(s), so no cuda:{missing[0]}")
-
-
-def rank_placement(placement: Placement, local_rank: int, devices: Sequence[int] | None = None) -> Placement:
-    """Local rank `local_rank`'s device: on CUDA the local_rank-th of `devices`, or without them the local_rank-th GPU
-    from rank 0's; elsewhere the same device."""
-    if placement.device.type != "cuda":
-        return placement
-    index = devices[local_rank] if devices else (placement.device.index or 0) + local_rank
-    return Placement(torch.device("cuda", index), placement.dtype)
 
 
 def join(rank: int, world: int, init_method: str, placement: Placement) -> None:
