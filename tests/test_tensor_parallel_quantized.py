@@ -2,6 +2,9 @@
 
 - The cuts (models/tp_cuts.py): a rank's part of an Int8Linear or Int4Linear (rows, or columns on whole groups of 32)
   dequantizes to exactly that part of the whole layer's matrix; an int4 cut inside a group is refused, naming sizes.
+- Shard-only int8: a rank that loads only its shard under `--quantize int8` (models/tp_loading.py) holds exactly the
+  int8 codes and scales cut from the whole model loaded and quantized in one process: the row-parallel layers keep
+  their whole rows' scales, and the LM head, which one process on CUDA quantizes, the same rows.
 - Logits: `--quantize int8` / `int4` of a tiny random Llama over 2 ranks, of the demo's safetensors directory over 3
   ranks (int4: each rank quantizes the float shard it loaded alone), and the demo GGUF file's own matrices over
   3 ranks (Q4_1 layers kept as int4, and its Q8_0 embedding, tied to its LM head: one int8 matrix that both read, cut
@@ -29,8 +32,10 @@ from rbee_worker.models.dequant import KERNEL_DTYPE, int8_per_row
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
-from rbee_worker.models.quantize import int4_affine
-from rbee_worker.models.tp_cuts import keep_columns, keep_rows
+from rbee_worker.models.quantize import int4_affine, quantize_head
+from rbee_worker.models.tensor_parallel import shard_model
+from rbee_worker.models.tp_cuts import Cut, keep_columns, keep_rows
+from rbee_worker.models.tp_loading import loading_shard
 
 CPU = torch.device("cpu")
 NEAR_TIE = 0.5  # nats between one process's first and second choices where the split model may pick the second
@@ -100,6 +105,25 @@ def tiny_llama_int4_shape(tmp_path_factory: pytest.TempPathFactory, demo_tokeniz
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantize_at_load_over_2_ranks(tiny_llama_int4_shape: Path, tmp_path: Path, quantize: str) -> None:
     assert_within_the_bound(str(tiny_llama_int4_shape), 2, quantize, tmp_path)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_int8_shard_loaded_alone_is_the_cut_of_the_whole_int8_model(tiny_llama_int4_shape: Path, rank: int) -> None:
+    spec, placement = str(tiny_llama_int4_shape), Placement(CPU, torch.float32)
+    whole = load_model(spec, placement, quantize="int8", runtime="torch").model
+    quantize_head(whole)  # as on CUDA (quantize_linears), where one process's head becomes int8
+    shard_model(whole, rank, 2)
+    with loading_shard(rank, 2):
+        alone = load_model(spec, placement, quantize="int8", runtime="torch").model
+    quantize_head(alone)
+    assert alone.tp_shard == (rank, 2)  # loaded as its shard, not whole and then cut
+    o_proj = alone.model.layers[0].self_attn.o_proj.linear
+    assert isinstance(o_proj, Int8Linear) and o_proj.tp_cut == Cut(1, rank * 64, 64)
+    assert isinstance(alone.lm_head.linear, Int8Linear)
+    expected, loaded = whole.state_dict(), alone.state_dict()
+    assert loaded.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
 
 
 def test_demo_directory_quantized_at_load_over_3_ranks(demo_hf_dir: Path, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ def load_hf_directory(
     config = read_config(path)
     model_class = causal_lm_class(config, path)
     shards = weight_files(path)
-    shard = shard_to_load(quantize)  # a tensor-parallel rank's part alone (models/tp_loading.py), or None
+    shard = shard_to_load()  # a tensor-parallel rank's part alone (models/tp_loading.py), or None
     weight_bytes = weight_elements(shards) * dtype.itemsize // (shard.world if shard else 1)
     check_fits(weight_bytes, device, f"the weights of {path.name}")
     progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes)

@@ -24,6 +24,7 @@ import torch
 from rbee_worker.models.dequant import INT4_GROUP, KERNEL_DTYPE, int8_per_row
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
+from rbee_worker.models.tensor_parallel import VocabParallelHead
 
 
 def int4_affine(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def quantize_linears(model: torch.nn.Module, mode: str) -> None:
 
     def quantized(linear: torch.nn.Linear) -> torch.nn.Module | None:
         if mode == "int8":
-            return int8_linear(linear)
+            return int8_linear(linear.weight.detach(), linear.bias)
         return (
             Int4Linear(*int4_affine(linear.weight.detach()), linear.bias)
             if linear.in_features % INT4_GROUP == 0
@@ -70,15 +71,23 @@ def quantize_linears(model: torch.nn.Module, mode: str) -> None:
 
 
 def quantize_head(model: torch.nn.Module) -> None:
-    """The LM head as int8 per row, unless it is tied to the token embedding."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear and head.weight is not model.get_input_embeddings().weight:
-        model.set_output_embeddings(int8_linear(head))
+    """The LM head as int8 per row, unless it is tied to the token embedding; a tensor-parallel rank's vocabulary
+    shard of it too (its rows' quantization is the whole head's cut: the zero rows that pad it get scale 0)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    sharded = isinstance(head, VocabParallelHead)  # a shard loaded alone (models/tp_loading.py)
+    linear, table = (head.linear, embedding.embedding) if sharded else (head, embedding)
+    if type(linear) is not torch.nn.Linear or linear.weight is table.weight:
+        return
+    quantized = int8_linear(linear.weight.detach(), linear.bias)
+    if sharded:
+        head.linear = quantized
+    else:
+        model.set_output_embeddings(quantized)
 
 
-def int8_linear(linear: torch.nn.Linear) -> Int8Linear:
-    weight = linear.weight.detach()
-    return Int8Linear(*int8_per_row(weight, KERNEL_DTYPE), linear.bias)
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+    """A matrix as an Int8Linear: int8 codes with one scale per row in the kernels' dtype."""
+    return Int8Linear(*int8_per_row(weight, KERNEL_DTYPE), bias)
 
 
 def replace_linears(root: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module | None]) -> None:

@@ -20,12 +20,12 @@ embedding looks up the ids in its rows (zero for the others) and one all-reduce 
 computes its rows' logits, which one gather brings to rank 0 (the rank that samples), the padding cut off. A head
 tied to the embedding stays tied to its rows.
 
-Quantized layers (Int8Linear, Int4Linear, Int8Embedding: a GGUF file's own types, or `--quantize int8|int4` applied
-to the whole model at load) are cut from their codes and scales (models/tp_cuts.py), so every rank holds exactly its
-part of what one process holds.
+Quantized layers (Int8Linear, Int4Linear, Int8Embedding: a GGUF file's own types) are cut from their codes and
+scales (models/tp_cuts.py), so every rank holds exactly its part of what one process holds.
 
-A rank loads only its shard of a safetensors directory (models/tp_loading.py); a GGUF file, or a directory under
---quantize int8, loads whole on each rank before the cut. The final norm is replicated.
+A rank loads only its shard of a safetensors directory (models/tp_loading.py), and under `--quantize int8|int4`
+quantizes it there into exactly its part of one process's quantization; a GGUF file loads whole on each rank before
+the cut. The final norm is replicated.
 """
 
 import dataclasses

@@ -11,12 +11,15 @@ tied weight once. So a rank's memory peaks at its shard plus about twice its lar
 pages it was read from). The model comes back already cut (`tp_shard` set), and tensor_parallel.shard_loaded leaves
 it as it is.
 
-Quantization: `--quantize int4` quantizes each rank's float shard at load (models/hf.py, as without tensor
-parallelism), which is the whole model's quantization cut: int4 groups run along a row's inputs, so a cut of rows
-keeps them whole and a cut of columns on whole groups of 32 too (a cut inside a group is refused). `--quantize int8`
-loads the whole model first (`shard_to_load` gives None): its one scale per row needs the whole rows of the
-row-parallel layers, whose columns the ranks split. On CUDA an untied LM head, which one process quantizes to int8
-(models/quantize.py), stays in the model's dtype when the shard loads alone (untested: no GPU where this was written).
+Quantization: a rank quantizes its shard at load as one process quantizes the whole model (models/hf.py,
+models/quantize.py), and holds exactly that quantization's cut. `--quantize int4`'s groups run along a row's inputs,
+so a cut of rows keeps them whole and a cut of columns on whole groups of 32 too (a cut inside a group is refused):
+the float shard is quantized. `--quantize int8`'s one scale per row needs the whole rows of the row-parallel layers
+(o_proj, down_proj), whose input columns the ranks split: each of those matrices is read whole, one at a time,
+quantized, and cut to the rank's columns (`int8_columns`), so that the peak also holds one such matrix and the
+temporaries of its quantization (as one process's quantization of it does); the other layers' rows quantize alone,
+one scale each. An untied LM head, which one process on CUDA quantizes to int8 per row, is quantized as the rank's
+vocabulary shard of it (models/quantize.quantize_head): the same rows.
 """
 
 import contextlib
@@ -31,13 +34,14 @@ from transformers import PretrainedConfig
 
 from rbee_worker.models.dequant import INT4_GROUP
 from rbee_worker.models.progress import LoadProgress
+from rbee_worker.models.quantize import int8_linear
 from rbee_worker.models.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
     shard_model,
 )
-from rbee_worker.models.tp_cuts import Cut, check_groups, rows
+from rbee_worker.models.tp_cuts import Cut, check_groups, keep_columns, rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +63,9 @@ def loading_shard(rank: int, world: int) -> Iterator[None]:
         _SHARD.reset(token)
 
 
-def shard_to_load(quantize: str) -> Shard | None:
-    """The shard that a directory's load in this context reads alone; None where it loads the whole model: outside
-    tensor parallelism, and under --quantize int8 (see the module)."""
-    return None if quantize == "int8" else _SHARD.get()
+def shard_to_load() -> Shard | None:
+    """The shard that a directory's load in this context reads alone; None outside tensor parallelism."""
+    return _SHARD.get()
 
 
 def load_shard_weights(
@@ -92,6 +95,12 @@ def load_shard_weights(
     shard_model(model, shard.rank, shard.world, path.name)
     if quantize == "int4":
         check_int4_groups(model, shard.world, path.name)
+    # Under int8, each row-parallel layer by its inner linear layer: `int8_columns` reads its part (see the module).
+    int8_wrappers = {
+        id(module.linear): module
+        for module in model.modules()
+        if quantize == "int8" and isinstance(module, RowParallelLinear)
+    }
     for keys, places, cut in parameters(model):
         key = next((key for key in keys if key in where), None)
         if key is None:
@@ -99,6 +108,10 @@ def load_shard_weights(
         # The file is opened for each tensor, and the tensor copied: safetensors' tensors are views of the file's
         # mapping, whose pages that were read count as this process's memory as long as it stays mapped.
         with safe_open(where[key], framework="pt") as handle:
+            if (wrapper := int8_wrappers.get(id(places[0][0]))) is not None and cut is not None:
+                wrapper.linear = int8_columns(handle, key, cut, device, dtype)
+                progress.add(cut.count * wrapper.out_features * dtype.itemsize)
+                continue
             part = read(handle, key, cut).to(device, dtype, copy=True)
         parameter = torch.nn.Parameter(part, requires_grad=False)
         for module, name in places:
@@ -153,6 +166,14 @@ def read(handle, key: str, cut: Cut | None) -> torch.Tensor:
     part = stored[cut.start : min(cut.start + cut.count, shape[0])]
     # Rows past the tensor's end (a vocabulary padded to whole shards) are zero.
     return part if len(part) == cut.count else rows(part, 0, cut.count)
+
+
+def int8_columns(handle, key: str, cut: Cut, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The columns `cut` of stored matrix `key` as int8, exactly the whole matrix's quantization cut: the whole
+    matrix is read in `dtype` on `device` (as one process loads it), quantized with one scale per whole row, then
+    cut (models/tp_cuts.keep_columns)."""
+    whole = handle.get_slice(key)[:].to(device, dtype)
+    return keep_columns(int8_linear(whole, None), cut.start, cut.count, key)
 
 
 def check_int4_groups(model: torch.nn.Module, world: int, name: str) -> None:
