@@ -156,13 +156,13 @@ def receive(group: dist.ProcessGroup) -> object:
 def load_shard(
     rank: int, world: int, load: Callable[[], LoadedModel], device: str
 ) -> tuple[LoadedModel, list[RankReport]]:
-    """Load this rank's shard (after `join`; models/tp_loading.py) and cut what loaded whole; every rank's report
+    """Load this rank's shard (after `join`; models/tp_loading.py: either loader builds it alone); every rank's report
     (one gather), in rank order. So every rank learns whether every other one loaded, and a model that fails anywhere
     ends every rank with an error, never a hang in a later collective: this rank's own error is raised as it is,
     another rank's as a ModelLoadError."""
     loaded, error = None, None
     try:
-        with loading_shard(rank, world):  # a safetensors directory: only this rank's part is read
+        with loading_shard(rank, world):  # only this rank's part is kept
             loaded = shard_loaded(load(), rank, world)
     except Exception as exc:  # reported to every rank below
         error = exc

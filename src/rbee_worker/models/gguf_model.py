@@ -2,7 +2,8 @@
 
 transformers can load GGUF itself (`from_pretrained(..., gguf_file=...)`) but slowly (bench/results/README.md),
 mostly in gguf-py's reader and numpy dequantization; here the header is parsed directly, weights are dequantized with
-torch on the target device, and the model is assembled from a state dict without a second copy.
+torch on the target device, and the model is assembled from a state dict without a second copy. A tensor-parallel
+rank (models/tp_loading.loading_shard) builds only its shard, one whole layer at a time (`fill_shard`).
 """
 
 import math
@@ -31,6 +32,8 @@ from rbee_worker.models.int4_linear import INT4_BYTES_PER_WEIGHT, Int4Linear
 from rbee_worker.models.int8_linear import INT8_BYTES_PER_WEIGHT, Int8Embedding, Int8Linear
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
+from rbee_worker.models.tensor_parallel import shard_model
+from rbee_worker.models.tp_loading import Shard, shard_to_load
 
 # GGUF architecture -> transformers model_type, for the architectures whose GGUF metadata and tensors map onto the
 # transformers model without architecture-specific rewrites beyond the Q/K permutation below. There is no "mistral":
@@ -93,10 +96,13 @@ def load_gguf(
         math.prod(info.shape) * (kept_bytes_per_weight(info.ggml_type) if name in kept_tensors else dtype.itemsize)
         for name, info in file.tensors.items()
     )
-    check_fits(int(weight_bytes), device, f"the weights of {path.name} (dequantized to {dtype})")
-    progress.expect(config.num_hidden_layers, int(weight_bytes))
+    shard = shard_to_load()  # a tensor-parallel rank's part alone (fill_shard), or None
+    shard_bytes = int(weight_bytes) // (shard.world if shard else 1)
+    check_fits(shard_bytes, device, f"the weights of {path.name} (dequantized to {dtype})")
+    progress.expect(config.num_hidden_layers, int(weight_bytes))  # a rank too reads every tensor whole
     tokenizer = build_tokenizer(file.metadata)
-    state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress, set(kept))
+    placeholders = set(sources) if shard else set(kept)
+    state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress, placeholders)
     try:
         model, loading_info = model_class.from_pretrained(
             None, config=config, state_dict=state_dict, dtype=dtype, output_loading_info=True
@@ -112,7 +118,9 @@ def load_gguf(
             f"{path.name} lacks {len(missing)} tensor(s) that its {arch} architecture needs (e.g. {missing[0]}); "
             "the file is incomplete: download or convert the model again"
         )
-    if kept:
+    if shard is not None:
+        fill_shard(model, file, arch, config, sources, kept, expected, shard, device, dtype, progress)
+    elif kept:
         keep_quantized(model, file, arch, config, kept, device, dtype, progress)
     if ROPE_FACTORS in file.tensors:
         apply_rope_factors(model, file.load(ROPE_FACTORS))
@@ -243,6 +251,43 @@ def gguf_state_dict(
         state[hf_name] = tensor
         progress.add(tensor.nbytes)
     return state
+
+
+def fill_shard(
+    model: torch.nn.Module,
+    file: GGUFFile,
+    arch: str,
+    config: PretrainedConfig,
+    sources: dict[str, str],
+    kept: dict[str, str],
+    expected: dict[str, torch.Tensor],
+    shard: Shard,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: LoadProgress,
+) -> None:
+    """A tensor-parallel rank's shard, from the model built of placeholders only: each decoder layer, then the token
+    embedding and LM head, are loaded whole as one process loads them (dequantized, or `kept` quantized) and cut at
+    once (tensor_parallel.shard_model), the rest (the final norm) last. So a rank holds its shard plus one whole layer
+    at a time (at the end the vocabulary's matrices), and exactly one process's model cut."""
+    names = {id(module): name for name, module in model.named_modules()}
+    left = dict(sources)  # the parameters that are still placeholders
+
+    def fill(prefixes: tuple[str, ...]) -> None:
+        here = {hf_name: left.pop(hf_name) for hf_name in list(left) if hf_name.startswith(prefixes)}
+        # The float tensors first: a quantized layer takes its module's bias.
+        floats = {hf_name: name for hf_name, name in here.items() if hf_name not in kept}
+        state = gguf_state_dict(file, arch, floats, expected, config, device, dtype, progress, set())
+        for hf_name, tensor in state.items():
+            model.get_parameter(hf_name).data = tensor  # a tied weight's one Parameter, in every module that holds it
+        quantized = {hf_name: name for hf_name, name in here.items() if hf_name in kept}
+        keep_quantized(model, file, arch, config, quantized, device, dtype, progress)
+
+    def materialize(modules: list[torch.nn.Module]) -> None:
+        fill(tuple(f"{names[id(module)]}." for module in modules))
+
+    shard_model(model, shard.rank, shard.world, file.path.stem, materialize=materialize)
+    fill(("",))
 
 
 def permuted_heads(arch: str, name: str, config: PretrainedConfig) -> int | None:

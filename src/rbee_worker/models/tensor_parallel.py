@@ -24,18 +24,18 @@ Quantized layers (Int8Linear, Int4Linear, Int8Embedding: a GGUF file's own types
 scales (models/tp_cuts.py), so every rank holds exactly its part of what one process holds.
 
 A rank loads only its shard of a safetensors directory (models/tp_loading.py), and under `--quantize int8|int4`
-quantizes it there into exactly its part of one process's quantization; a GGUF file loads whole on each rank before
-the cut. The final norm is replicated.
+quantizes it there into exactly its part of one process's quantization; of a GGUF file it builds one whole layer at a
+time and cuts it at once (`materialize`, models/gguf_model.fill_shard). The final norm is replicated.
 """
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from rbee_worker.devices import tensor_bytes
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.int8_linear import Int8Embedding, Int8Linear
 from rbee_worker.models.loaded import LoadedModel
@@ -191,24 +191,30 @@ def read_model_config(spec: str) -> tuple[PretrainedConfig, str]:
     return read_config(path), path.name
 
 
-def shard_loaded(loaded: LoadedModel, rank: int, world: int, group: dist.ProcessGroup | None = None) -> LoadedModel:
-    """The loaded model cut to rank `rank`'s shard (see shard_model; one that loaded as its shard stays as it is), its
-    weight bytes measured again."""
+def shard_loaded(loaded: LoadedModel, rank: int, world: int) -> LoadedModel:
+    """The loaded model as rank `rank`'s shard of `world`: the torch runtime's loaders build it as that shard inside
+    models/tp_loading.loading_shard (their weight bytes are the shard's); another runtime is refused."""
     if loaded.info.runtime != "torch":
         raise ModelLoadError("tensor parallelism runs on the torch runtime; use --runtime torch (or auto)")
-    if getattr(loaded.model, "tp_shard", None) != (rank, world):  # not cut as it loaded (models/tp_loading.py)
-        shard_model(loaded.model, rank, world, loaded.info.name, group)
-    info = dataclasses.replace(loaded.info, weight_bytes=tensor_bytes(loaded.model))
-    return dataclasses.replace(loaded, info=info)
+    assert getattr(loaded.model, "tp_shard", None) == (rank, world), "a model loaded outside loading_shard"
+    return loaded
 
 
 def shard_model(
-    model: torch.nn.Module, rank: int, world: int, name: str = "the model", group: dist.ProcessGroup | None = None
+    model: torch.nn.Module,
+    rank: int,
+    world: int,
+    name: str = "the model",
+    group: dist.ProcessGroup | None = None,
+    materialize: Callable[[list[torch.nn.Module]], None] | None = None,
 ) -> None:
     """Cut `model` (a transformers Llama-family causal LM of float or quantized weights) in place to rank `rank`'s
     shard of `world`; its row-parallel layers, vocabulary-parallel embedding and head communicate over `group` (None:
-    the default process group). Raises ModelLoadError for a model that cannot be cut: sizes that do not divide
-    (check_divisible), another architecture, int4 groups that a row-parallel cut would split."""
+    the default process group). `materialize(modules)`, where given, is called with each decoder layer just before
+    its cut, then with the token embedding and the LM head before theirs: a loader that built the model from
+    placeholders fills them in then (models/gguf_model.py), so that it holds one whole layer at a time. Raises
+    ModelLoadError for a model that cannot be cut: sizes that do not divide (check_divisible), another architecture,
+    int4 groups that a row-parallel cut would split."""
     check_divisible(model.config, world, name)
     layers = model.get_decoder().layers
     for layer in layers:
@@ -230,6 +236,8 @@ def shard_model(
     q_width, kv_width = local_heads * head_dim, local_kv * head_dim  # this rank's rows of q_proj, of k_proj and v_proj
     with torch.no_grad():
         for index, layer in enumerate(layers):
+            if materialize is not None:
+                materialize([layer])
             attention, mlp = layer.self_attn, layer.mlp
             attention.q_proj = keep_rows(attention.q_proj, rank * q_width, q_width)
             attention.k_proj = keep_rows(attention.k_proj, first_kv * head_dim, kv_width)
@@ -245,6 +253,8 @@ def shard_model(
             )
             if hasattr(mlp, "intermediate_size"):
                 mlp.intermediate_size = local_inter
+        if materialize is not None:
+            materialize([model.get_input_embeddings(), model.get_output_embeddings()])
         _split_vocabulary(model, rank, world, name, group)
     model.tp_shard = (rank, world)
     text.head_dim = head_dim  # written out: hidden_size // num_attention_heads no longer gives it

@@ -1,15 +1,15 @@
 """A tensor-parallel rank that loads only its shard of a safetensors directory, so that no process ever holds the
 whole model (a 70B over 4 GPUs: a quarter each, plus the replicated norms).
 
-engine/tp_ranks.load_shard runs a rank's load inside `loading_shard(rank, world)`; models/hf.py asks `shard_to_load`
-and, given a shard, loads through `load_shard_weights`: transformers builds the model from placeholders (one zero
-expanded to each stored tensor's shape: no memory, while its buffers, the rotary frequencies say, are made as in any
-load), its parameters go to the meta device (so that cutting them allocates nothing),
+engine/tp_ranks.load_shard runs a rank's load inside `loading_shard(rank, world)`, and both loaders ask
+`shard_to_load`: models/gguf_model.py builds a GGUF file's shard one whole layer at a time (gguf_model.fill_shard),
+and models/hf.py, given a shard, loads a directory through `load_shard_weights`: transformers builds the model from
+placeholders (one zero expanded to each stored tensor's shape: no memory, while its buffers, the rotary frequencies
+say, are made as in any load), its parameters go to the meta device (so that cutting them allocates nothing),
 models/tensor_parallel.shard_model cuts it (each cut part records its `Cut`: models/tp_cuts.py), and each parameter
 is then read from its file as the rows or columns its part holds (safetensors' `get_slice`, one tensor at a time), a
 tied weight once. So a rank's memory peaks at its shard plus about twice its largest part (the part and the file's
-pages it was read from). The model comes back already cut (`tp_shard` set), and tensor_parallel.shard_loaded leaves
-it as it is.
+pages it was read from). The model comes back already cut (`tp_shard` set: tensor_parallel.shard_loaded checks it).
 
 Quantization: a rank quantizes its shard at load as one process quantizes the whole model (models/hf.py,
 models/quantize.py), and holds exactly that quantization's cut. `--quantize int4`'s groups run along a row's inputs,
