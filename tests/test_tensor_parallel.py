@@ -75,6 +75,14 @@ def whole_logits(spec: str, quantize: str = "none") -> torch.Tensor:
         return loaded.model(input_ids=torch.tensor(IDS)).logits
 
 
+def assert_same_tensors(loaded: torch.nn.Module, expected: torch.nn.Module) -> None:
+    """Both models hold the same tensors (parameters and buffers) under the same names, equal in dtype and value."""
+    tensors, expected_tensors = loaded.state_dict(), expected.state_dict()
+    assert tensors.keys() == expected_tensors.keys()
+    for key, tensor in expected_tensors.items():
+        assert tensors[key].dtype == tensor.dtype and torch.equal(tensors[key], tensor), key
+
+
 def sharded(spec: str, world: int, tmp_path: Path, quantize: str = "none") -> dict:
     """Rank 0's logits of IDS and its KV cache's shape, from MODEL cut over `world` gloo processes."""
     out, port = tmp_path / "logits.pt", str(free_port())

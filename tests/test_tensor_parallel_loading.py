@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from serving import free_port
-from test_tensor_parallel import sharded, whole_logits
+from test_tensor_parallel import assert_same_tensors, sharded, whole_logits
 
 from rbee_worker.devices import Placement
 from rbee_worker.models.loader import load_model
@@ -125,9 +125,6 @@ def test_a_gguf_shard_loaded_alone_is_the_cut_of_the_whole_model(quantize: str) 
         with loading_shard(rank, 3):
             alone = load_model("demo", placement, quantize=quantize, runtime="torch").model
         assert alone.tp_shard == (rank, 3)  # built as its shard, not loaded whole and then cut
-        expected, loaded = cut.state_dict(), alone.state_dict()
-        assert loaded.keys() == expected.keys()
-        for key, tensor in expected.items():
-            assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), (rank, key)
+        assert_same_tensors(alone, cut)
     if quantize == "int4":  # the embedding reads its tied head's int8 codes, as in one process
         assert alone.model.embed_tokens.embedding.codes.data_ptr() == alone.lm_head.linear.codes.data_ptr()

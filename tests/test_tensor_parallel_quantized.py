@@ -24,7 +24,7 @@ import torch
 from conftest import cli, make_tiny_model
 from serving import running
 from test_load_errors import assert_error
-from test_tensor_parallel import IDS, completions, sharded, whole_logits
+from test_tensor_parallel import IDS, assert_same_tensors, completions, sharded, whole_logits
 
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
@@ -120,10 +120,7 @@ def test_an_int8_shard_loaded_alone_is_the_cut_of_the_whole_int8_model(tiny_llam
     o_proj = alone.model.layers[0].self_attn.o_proj.linear
     assert isinstance(o_proj, Int8Linear) and o_proj.tp_cut == Cut(1, rank * 64, 64)
     assert isinstance(alone.lm_head.linear, Int8Linear)
-    expected, loaded = whole.state_dict(), alone.state_dict()
-    assert loaded.keys() == expected.keys()
-    for key, tensor in expected.items():
-        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    assert_same_tensors(alone, whole)
 
 
 def test_demo_directory_quantized_at_load_over_3_ranks(demo_hf_dir: Path, tmp_path: Path) -> None:
