@@ -4,7 +4,8 @@ timeline over a shorter one, then tokens/s again. From the timeline: how busy th
 head's GEMM, the one kernel of its size per step), and each kernel's time per step.
 
 Cases: `plain64` (64 unconstrained greedy streams after a short chat prompt), `beside64` (the same with one of them
-constrained by a long JSON schema: what a constrained row costs the step, without the HTTP layer), `long64` (64
+constrained by a long JSON schema: what a constrained row costs the step, without the HTTP layer), `schema64` (all
+64 constrained by it: the host's grammar work per step against the device's forward), `long64` (64
 streams after distinct 2,000-token prompts, their prefixes cached by an untimed first run), `batch1` (one stream).
 
     PYTHONPATH=src python bench/step_profile.py --model /tmp/m8b --dtype bfloat16 --out DIR
@@ -24,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-CASES = ("plain64", "beside64", "long64", "batch1")
+CASES = ("plain64", "beside64", "schema64", "long64", "batch1")
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -105,6 +106,7 @@ def run_case(engine: object, requests: list, args: argparse.Namespace, trace: Pa
         return {}
     while min(len(t) for t in times) < 30:
         time.sleep(0.005)
+    print(f"{trace.name}: every stream decodes", flush=True)
 
     def window(seconds: float) -> float:
         started = time.perf_counter()
@@ -161,10 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         return Request(prompt, max_tokens=length, sampling=greedy, ignore_eos=True)
 
     def requests_for(case: str) -> list[Request]:
-        if case == "beside64":
+        if case in ("beside64", "schema64"):
             grammar = engine.grammars.compile(GrammarSpec.json_schema(structured_output.schema(40))).result()
-            constrained = Request(chat, max_tokens=4 * length, sampling=greedy, grammar=grammar)
-            return [constrained, *(plain() for _ in range(63))]
+
+            def constrained() -> Request:
+                return Request(chat, max_tokens=4 * length, sampling=greedy, grammar=grammar)
+
+            if case == "schema64":
+                return [constrained() for _ in range(64)]
+            return [constrained(), *(plain() for _ in range(63))]
         if case == "long64":
             return [plain((1000 + i, *ids[:1999])) for i in range(64)]
         return [plain() for _ in range(1 if case == "batch1" else 64)]  # each its own request id

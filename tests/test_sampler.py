@@ -615,6 +615,22 @@ def test_mask_limits_the_draw(device: str) -> None:
         state.set_mask(0, torch.zeros(2, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 1, 2, 7], [6]])
+def test_masks_of_several_slots_go_to_theirs_alone(slots: list[int]) -> None:
+    """SamplerState.set_masks: each slot takes its own row of the host bitmask (copied run by run), and the other
+    slots keep what they had."""
+    vocab = 70
+    state = make_state([SamplingParams(temperature=0.0)] * 8, vocab, "cpu")
+    bitmask = torch.stack([pack_bits([slot, 40 + slot], vocab) for slot in range(8)])
+    state.set_mask(4, pack_bits([9], vocab))
+    state.set_masks(slots, bitmask)
+    for slot in range(8):
+        expected = (
+            bitmask[slot] if slot in slots else pack_bits([9], vocab) if slot == 4 else torch.full_like(bitmask[0], -1)
+        )
+        assert torch.equal(state.allowed[slot], expected), slot
+
+
 # -- (i) no host synchronization ----------------------------------------------------------------------------------
 
 ALL_FEATURES = SamplerFeatures(sampling=True, penalties=True, top_k=True, masks=True, top_logprobs=5)

@@ -131,6 +131,36 @@ def test_the_mask_allows_each_token_of_a_valid_output_then_only_eos(grammars: Gr
     assert matcher.accept(EOS) and matcher.terminated
 
 
+def test_rows_accept_on_threads_as_one_by_one(grammars: Grammars, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grammar.accept_tokens over many rows on several threads: each row's result is its own accept's (a token its
+    grammar refuses: False, the matcher unchanged; a failing accept: that row's exception), in the rows' order, and
+    every matcher ends where accepting its tokens one by one leaves it."""
+    monkeypatch.setattr(grammar_module, "ACCEPT_THREADS", 3)
+    monkeypatch.setattr(grammar_module, "ACCEPT_BATCH", 2)
+    tokens = tokenizer.encode(VALID_PERSON, add_special_tokens=False)
+    spec = compiled(grammars, GrammarSpec.json_schema(PERSON))
+    rows = [grammars.matcher(spec) for _ in range(7)]
+    alone = grammars.matcher(spec)
+    wrong = tokenizer.convert_tokens_to_ids("}")  # never a JSON text's first token
+
+    class Broken:
+        def accept(self, token: int) -> bool:
+            raise RuntimeError(f"broken at {token}")
+
+    for step, token in enumerate(tokens):
+        chosen = [wrong if (step == 0 and i == 4) else token for i in range(len(rows))]
+        results = grammar_module.accept_tokens([*rows[:2], Broken(), *rows[2:]], [*chosen[:2], token, *chosen[2:]])
+        assert results[:2] + results[3:] == [not (step == 0 and i == 4) for i in range(len(rows))]
+        assert isinstance(results[2], RuntimeError) and str(token) in str(results[2])
+        if step == 0:
+            assert rows[4].accept(token)  # refused above, unchanged: it takes the right token now
+        assert alone.accept(token)
+    check, bitmask = host_bitmask(1, VOCAB), host_bitmask(len(rows), VOCAB)
+    alone.fill(check, 0)
+    assert grammar_module.fill_masks(rows, list(range(len(rows))), bitmask) == [True] * len(rows)
+    assert all(allowed(bitmask, row) == allowed(check) == {EOS} for row in range(len(rows)))
+
+
 def test_the_mask_refuses_what_the_schema_does_not_allow(grammars: Grammars, tokenizer) -> None:
     matcher = grammars.matcher(compiled(grammars, GrammarSpec.json_schema(PERSON)))
     bitmask = host_bitmask(1, VOCAB)

@@ -24,6 +24,7 @@ model run on in newlines and spaces until max_tokens.
 import collections
 import functools
 import json
+import os
 import re
 import threading
 import time
@@ -32,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -42,6 +44,10 @@ if TYPE_CHECKING:
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept, by xgrammar's measure of their size
 COMPILE_THREADS = 2  # grammars compiled at once, each on one thread: the model's forward keeps the other cores
+# Threads that advance a step's constrained rows (accept_tokens): half the cores, as xgrammar's own batch filler
+# takes, at most 8; and the fewest rows worth handing to them (a hand-off costs about what one row's accept does).
+ACCEPT_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+ACCEPT_BATCH = 8
 # xgrammar's error messages start with a time and a source location: "[18:29:56] /project/cpp/x.cc:5082: ".
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -124,12 +130,13 @@ class Matcher:
         """Whether a fill writes a mask: not while dormant, nor once terminated (nothing follows: no mask to fill)."""
         return not self._dormant and not self._matcher.is_terminated()
 
-    def _filled(self, bitmask: torch.Tensor, row: int, seconds: float) -> None:
-        """After xgrammar has written the row: whether it allows nothing, the start tag where it may come."""
-        self._stuck = not bitmask[row].any()
+    def _filled(self, words: np.ndarray, seconds: float) -> None:
+        """After xgrammar has written the row (`words`, a view of it): whether it allows nothing, the start tag where
+        it may come. numpy, not torch: a row's check is a few microseconds, not the ten of a torch call."""
+        self._stuck = not words.any()
         if self._may_open:
             word, bit = divmod(self._start_id, 32)
-            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # bit 31 is int32's sign
+            words[word] |= np.int32((1 << bit) - (1 << 32 if bit == 31 else 0))  # bit 31 is int32's sign
         self._stats.masks += 1
         self._stats.mask_seconds += seconds
 
@@ -166,9 +173,38 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.
             handles = [matcher._matcher for matcher, _ in active]
             _batch_matcher().batch_fill_next_token_bitmask(handles, bitmask, [row for _, row in active])
         seconds = (time.perf_counter() - started) / len(active)
+        words = bitmask.numpy()  # the same memory
         for matcher, row in active:
-            matcher._filled(bitmask, row, seconds)
+            matcher._filled(words[row], seconds)
     return [not matcher._dormant for matcher in matchers]
+
+
+def accept_tokens(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool | Exception]:
+    """Matcher.accept for several matchers, each with its token: what each accept returns, or the exception it raised.
+    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser, so 64 rows take about half of
+    an 8B model's decode step on the host; xgrammar releases the GIL while it parses, so from ACCEPT_BATCH rows on the
+    rows advance on ACCEPT_THREADS threads, each over a contiguous share of them."""
+    pairs = list(zip(matchers, tokens, strict=True))
+    if ACCEPT_THREADS == 1 or len(pairs) < ACCEPT_BATCH:
+        return _accept(pairs)
+    share = -(-len(pairs) // ACCEPT_THREADS)
+    parts = _accept_pool().map(_accept, [pairs[i : i + share] for i in range(0, len(pairs), share)])
+    return [result for part in parts for result in part]
+
+
+def _accept(pairs: Sequence[tuple[Matcher, int]]) -> list[bool | Exception]:
+    results: list[bool | Exception] = []
+    for matcher, token in pairs:
+        try:
+            results.append(matcher.accept(token))
+        except Exception as exc:  # one row's failure is that row's, not its neighbours'
+            results.append(exc)
+    return results
+
+
+@functools.cache
+def _accept_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(ACCEPT_THREADS, thread_name_prefix="rbee-accept")
 
 
 @functools.cache

@@ -8,12 +8,12 @@ a request's text or EOS ends it. Everything here runs on the engine thread.
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from rbee_worker.engine.detokenizer import Detokenizer
-from rbee_worker.engine.grammar import Matcher
+from rbee_worker.engine.grammar import Matcher, accept_tokens
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
 
 if TYPE_CHECKING:
@@ -86,17 +86,21 @@ class OutputProcessor:
     def started(self, sequence: "Sequence") -> None:
         send(sequence, Started(sequence.request_id, len(sequence.request.prompt_ids), sequence.seed))
 
-    def advance(self, sequence: "Sequence", token: int) -> bool:
-        """A constrained sequence's sampled token through its grammar, before `token` (the grammar's next mask can
-        then be filled first); False for EOS, which ends the request and is no part of its text. Raises
-        GrammarRejected for a token the grammar does not allow (its mask rules that out)."""
-        matcher = sequence.output.grammar
-        assert matcher is not None
-        if token in self._eos:  # a constrained request never ignores EOS (Engine.validate)
-            return False
-        if not matcher.accept(token):
-            raise GrammarRejected(f"the request's grammar does not allow the token chosen ({token})")
-        return True
+    def advance(self, taken: "Iterable[tuple[Matcher, int]]") -> "list[bool | Exception]":
+        """Constrained sequences' sampled tokens through their grammars (each sequence's matcher with its token), before
+        `token` (the grammars' next masks can then be filled first), the rows together (grammar.accept_tokens: many
+        on several threads). For each: False for EOS, which ends the request and is no part of its text; True for a
+        token its grammar took; an exception for one that failed, GrammarRejected for a token the grammar does not
+        allow (its mask rules that out)."""
+        pairs = list(taken)
+        results: list[bool | Exception] = [False] * len(pairs)
+        accepting = [i for i, (_, token) in enumerate(pairs) if token not in self._eos]  # EOS: never ignored here
+        accepted = accept_tokens([pairs[i][0] for i in accepting], [pairs[i][1] for i in accepting])
+        for i, result in zip(accepting, accepted, strict=True):
+            rejected = result is False
+            message = f"the request's grammar does not allow the token chosen ({pairs[i][1]})"
+            results[i] = GrammarRejected(message) if rejected else result
+        return results
 
     def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:
         """A sampled token of the sequence (of a constrained one: after `advance`): EOS ends it (and is not output);

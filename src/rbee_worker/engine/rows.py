@@ -87,12 +87,12 @@ class RowSampling:
         token, and its row's mask is dropped."""
         masked = fill_masks([matcher for _, matcher in rows], [row for row, _ in rows], self._masks)
         for (row, _), on in zip(rows, masked, strict=True):
-            if on:
-                self.state.set_mask(row, self._masks[row])
-                self._masked.add(row)
-            elif row in self._masked:  # a row outside _masked allows every token already (see assign)
+            if not on and row in self._masked:  # a row outside _masked allows every token already (see assign)
                 self.state.set_mask(row, None)
                 self._masked.discard(row)
+        on_rows = [row for (row, _), on in zip(rows, masked, strict=True) if on]
+        self.state.set_masks(on_rows, self._masks)
+        self._masked.update(on_rows)
 
     def mask(self, row: int, matcher: Matcher) -> None:
         """One row's mask (see masks)."""

@@ -172,11 +172,27 @@ class SamplerState:
         a GPU without the host waiting for the copy: it must stay unchanged until a step has read it."""
         if allowed is None:
             self.allowed[slot] = -1
-        elif allowed.dtype != torch.int32 or allowed.shape != self.allowed.shape[1:]:
-            shape = tuple(self.allowed.shape[1:])
-            raise ValueError(f"a mask is int32 of shape {shape}, got {allowed.dtype} {tuple(allowed.shape)}")
         else:
-            self.allowed[slot].copy_(allowed, non_blocking=self.device.type == "cuda")
+            self._copy_masks(slot, allowed.unsqueeze(0))
+
+    def set_masks(self, slots: Sequence[int], bitmask: torch.Tensor) -> None:
+        """set_mask for several slots, each with its own row of `bitmask` (host, [slots, words]), in one copy for each
+        run of consecutive slots: a step's constrained rows are mostly one run (the live rows are compacted), and a
+        copy of many rows costs about what one of a row does."""
+        ordered = sorted(slots)
+        start = 0
+        for i, slot in enumerate(ordered):
+            if i + 1 == len(ordered) or ordered[i + 1] != slot + 1:
+                first, end = ordered[start], slot + 1
+                self._copy_masks(first, bitmask[first:end])
+                start = i + 1
+
+    def _copy_masks(self, first: int, masks: torch.Tensor) -> None:
+        """Masks ([n, words]) into the n slots from `first` on (see set_mask)."""
+        if masks.dtype != torch.int32 or masks.shape[1:] != self.allowed.shape[1:]:
+            shape = tuple(self.allowed.shape[1:])
+            raise ValueError(f"a mask is int32 of shape {shape}, got {masks.dtype} {tuple(masks.shape[1:])}")
+        self.allowed[first : first + len(masks)].copy_(masks, non_blocking=self.device.type == "cuda")
 
 
 @dataclass

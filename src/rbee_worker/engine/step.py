@@ -130,18 +130,19 @@ class Steps:
     def _take(self, sequences: list[Sequence], sampled: list[Sampled], held: _Launched | None = None) -> None:
         """Each sequence's sampled token through the output processor; the sequences that it ends, ended.
 
-        Constrained sequences go first through their grammars, and their next masks are filled together (grammar's
-        fill_masks fills many rows on several threads); then a `held` step's sampler starts, so that the rest of the
-        host's work on these tokens (detokenizing, events, stop strings) runs while the device samples and goes on."""
+        Constrained sequences go first through their grammars, and their next masks are filled, the rows together
+        (grammar's accept_tokens and fill_masks take many rows on several threads); then a `held` step's sampler
+        starts, so that the rest of the host's work on these tokens (detokenizing, events, stop strings) runs while
+        the device samples and goes on."""
         taken = [(s, out) for s, out in zip(sequences, sampled, strict=True) if not s.finished]
+        grammars = [(s, g, out.token) for s, out in taken if out.valid and (g := s.output.grammar) is not None]
+        outcomes = self.output.advance((grammar, token) for _, grammar, token in grammars)
         constrained = []
-        for sequence, out in taken:
-            if out.valid and sequence.output.grammar is not None:
-                try:
-                    if self.output.advance(sequence, out.token):
-                        constrained.append(sequence)
-                except Exception as exc:
-                    self._internal_error(sequence, exc)
+        for (sequence, _, _), advanced in zip(grammars, outcomes, strict=True):
+            if isinstance(advanced, Exception):
+                self._internal_error(sequence, advanced)
+            elif advanced:
+                constrained.append(sequence)
         if constrained:
             try:
                 self.runner.masks([(s.row, s.output.grammar) for s in constrained if s.output.grammar is not None])
