@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+import xgrammar
 from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers
 from openai.types.chat import ParsedChatCompletion
 from pydantic import BaseModel, Field
@@ -132,9 +133,10 @@ def test_the_mask_allows_each_token_of_a_valid_output_then_only_eos(grammars: Gr
 
 
 def test_rows_accept_on_threads_as_one_by_one(grammars: Grammars, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """grammar.accept_tokens over many rows on several threads: each row's result is its own accept's (a token its
-    grammar refuses: False, the matcher unchanged; a failing accept: that row's exception), in the rows' order, and
-    every matcher ends where accepting its tokens one by one leaves it."""
+    """grammar.accept_tokens over many rows, in shares on several threads: each row's result is its own accept's (a
+    token its grammar refuses: False, the matcher unchanged), in the rows' order; every matcher ends where accepting
+    its tokens one by one leaves it, ended at EOS; and should xgrammar's batch call fail, a row whose accept fails
+    gets its exception and the others their results."""
     monkeypatch.setattr(grammar_module, "ACCEPT_THREADS", 3)
     monkeypatch.setattr(grammar_module, "ACCEPT_BATCH", 2)
     tokens = tokenizer.encode(VALID_PERSON, add_special_tokens=False)
@@ -142,23 +144,32 @@ def test_rows_accept_on_threads_as_one_by_one(grammars: Grammars, tokenizer, mon
     rows = [grammars.matcher(spec) for _ in range(7)]
     alone = grammars.matcher(spec)
     wrong = tokenizer.convert_tokens_to_ids("}")  # never a JSON text's first token
-
-    class Broken:
-        def accept(self, token: int) -> bool:
-            raise RuntimeError(f"broken at {token}")
-
     for step, token in enumerate(tokens):
         chosen = [wrong if (step == 0 and i == 4) else token for i in range(len(rows))]
-        results = grammar_module.accept_tokens([*rows[:2], Broken(), *rows[2:]], [*chosen[:2], token, *chosen[2:]])
-        assert results[:2] + results[3:] == [not (step == 0 and i == 4) for i in range(len(rows))]
-        assert isinstance(results[2], RuntimeError) and str(token) in str(results[2])
+        assert grammar_module.accept_tokens(rows, chosen) == [not (step == 0 and i == 4) for i in range(len(rows))]
         if step == 0:
             assert rows[4].accept(token)  # refused above, unchanged: it takes the right token now
-        assert alone.accept(token)
+        assert alone.accept(token) and not alone.terminated
     check, bitmask = host_bitmask(1, VOCAB), host_bitmask(len(rows), VOCAB)
     alone.fill(check, 0)
     assert grammar_module.fill_masks(rows, list(range(len(rows))), bitmask) == [True] * len(rows)
     assert all(allowed(bitmask, row) == allowed(check) == {EOS} for row in range(len(rows)))
+    assert grammar_module.accept_tokens(rows, [EOS] * len(rows)) == [True] * len(rows)
+    assert all(row.terminated for row in rows)
+
+    class Broken:
+        def accept_token(self, token: int) -> bool:
+            raise RuntimeError(f"broken at {token}")
+
+    def failing_batch(handles: list, tokens: list[int]) -> list[bool]:
+        raise RuntimeError("the batch call failed")
+
+    monkeypatch.setattr(xgrammar.BatchGrammarMatcher, "batch_accept_token", failing_batch)
+    fresh = [grammars.matcher(spec) for _ in range(5)]
+    fresh[1]._matcher = Broken()
+    results = grammar_module.accept_tokens(fresh, [tokens[0]] * 5)
+    assert [r for i, r in enumerate(results) if i != 1] == [True] * 4
+    assert isinstance(results[1], RuntimeError) and str(tokens[0]) in str(results[1])
 
 
 def test_the_mask_refuses_what_the_schema_does_not_allow(grammars: Grammars, tokenizer) -> None:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 CACHE_BYTES = 256 << 20  # compiled grammars kept, by xgrammar's measure of their size
 COMPILE_THREADS = 2  # grammars compiled at once, each on one thread: the model's forward keeps the other cores
 # Threads that advance a step's constrained rows (accept_tokens): half the cores, as xgrammar's own batch filler
-# takes, at most 8; and the fewest rows worth handing to them (a hand-off costs about what one row's accept does).
+# takes, at most 8; and the fewest rows of a thread's share (a hand-off costs about what a few rows' accepts do).
 ACCEPT_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 ACCEPT_BATCH = 8
 # xgrammar's error messages start with a time and a source location: "[18:29:56] /project/cpp/x.cc:5082: ".
@@ -82,6 +82,7 @@ class CompiledGrammar:
 
     spec: GrammarSpec
     handle: "xgrammar.CompiledGrammar"
+    stop_ids: frozenset[int]  # the grammar's stop tokens: accepting one ends it
 
 
 @dataclass
@@ -97,7 +98,13 @@ class GrammarStats:
 
 
 class Matcher:
-    """One request's place in its grammar (made for each request; used on the engine thread only).
+    """One request's place in its grammar (made for each request; used on the engine thread only, or on
+    accept_tokens' threads while it waits).
+
+    The engine thread asks a matcher several things each step; each xgrammar call releases the GIL, and with other
+    threads (the HTTP server's) waiting for it, getting it back can take far longer than the call. So the matcher
+    keeps what it can know itself: it has ended when its grammar accepted a stop token (xgrammar's is_terminated), and
+    a step's accepts and fills are one xgrammar call for many rows (accept_tokens, fill_masks).
 
     With `reasoning` (a format with both tags' token ids), the grammar applies after the reasoning: the matcher is
     dormant from the start when `opened` (the prompt opens the reasoning), and otherwise its first token may be the
@@ -114,7 +121,9 @@ class Matcher:
 
         self._matcher = xgrammar.GrammarMatcher(grammar.handle)
         self._stats = stats
+        self._stop_ids = grammar.stop_ids
         self._stuck = False  # the latest fill allowed no token
+        self._ended = False  # the grammar accepted a stop token
         tags = reasoning is not None and reasoning.start_id is not None and reasoning.end_id is not None
         self._start_id = reasoning.start_id if tags else None
         self._end_id = reasoning.end_id if tags else None
@@ -128,7 +137,7 @@ class Matcher:
 
     def _fills(self) -> bool:
         """Whether a fill writes a mask: not while dormant, nor once terminated (nothing follows: no mask to fill)."""
-        return not self._dormant and not self._matcher.is_terminated()
+        return not self._dormant and not self._ended
 
     def _filled(self, words: np.ndarray, seconds: float) -> None:
         """After xgrammar has written the row (`words`, a view of it): whether it allows nothing, the start tag where
@@ -143,21 +152,33 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance past a chosen token; False when the grammar does not allow it (the matcher is unchanged). A dormant
         matcher takes any token, and wakes at the end tag; the start tag as the first token makes it dormant."""
+        outside = self._outside_grammar(token)
+        return outside if outside is not None else self._took(token, self._matcher.accept_token(token))
+
+    def _outside_grammar(self, token: int) -> bool | None:
+        """accept's answer where the grammar has no say (the reasoning's tokens, the start tag); None: the grammar's
+        accept decides (then `_took`)."""
         if self._dormant:
             self._dormant = token != self._end_id
             return True
         if self._may_open and token == self._start_id:
             self._dormant = True
-        elif not self._matcher.accept_token(token):
-            return False
-        self._may_open = False
-        return True
+            self._may_open = False
+            return True
+        return None
+
+    def _took(self, token: int, accepted: bool) -> bool:
+        """After the grammar's accept of `token`."""
+        if accepted:
+            self._may_open = False
+            self._ended = token in self._stop_ids
+        return accepted
 
     @property
     def terminated(self) -> bool:
         """Whether nothing may follow: the grammar has accepted a stop token, or the latest fill allowed no token (the
         grammar cannot continue)."""
-        return self._stuck or self._matcher.is_terminated()
+        return self._stuck or self._ended
 
 
 def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.Tensor) -> list[bool]:
@@ -181,25 +202,47 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.
 
 def accept_tokens(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool | Exception]:
     """Matcher.accept for several matchers, each with its token: what each accept returns, or the exception it raised.
-    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser, so 64 rows take about half of
-    an 8B model's decode step on the host; xgrammar releases the GIL while it parses, so from ACCEPT_BATCH rows on the
-    rows advance on ACCEPT_THREADS threads, each over a contiguous share of them."""
-    pairs = list(zip(matchers, tokens, strict=True))
-    if ACCEPT_THREADS == 1 or len(pairs) < ACCEPT_BATCH:
-        return _accept(pairs)
-    share = -(-len(pairs) // ACCEPT_THREADS)
-    parts = _accept_pool().map(_accept, [pairs[i : i + share] for i in range(0, len(pairs), share)])
-    return [result for part in parts for result in part]
-
-
-def _accept(pairs: Sequence[tuple[Matcher, int]]) -> list[bool | Exception]:
-    results: list[bool | Exception] = []
-    for matcher, token in pairs:
-        try:
-            results.append(matcher.accept(token))
-        except Exception as exc:  # one row's failure is that row's, not its neighbours'
-            results.append(exc)
+    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser, so that 64 rows, one call each,
+    take milliseconds of the host's time a step (profiled on an H200 host beside an 8B model's 6 ms step). The rows
+    that their grammars decide go to xgrammar in one call for many (its batch_accept_token), which releases the GIL
+    while it parses; with many rows, in one call for each of up to ACCEPT_THREADS contiguous shares of at least
+    ACCEPT_BATCH rows, on as many threads."""
+    outside = [matcher._outside_grammar(token) for matcher, token in zip(matchers, tokens, strict=True)]
+    results: list[bool | Exception] = [result or False for result in outside]
+    inside = [i for i, result in enumerate(outside) if result is None]
+    threads = min(ACCEPT_THREADS, len(inside) // ACCEPT_BATCH)
+    if threads > 1:
+        share = -(-len(inside) // threads)
+        parts = _accept_pool().map(
+            lambda part: _accept_batch([matchers[i] for i in part], [tokens[i] for i in part]),
+            [inside[i : i + share] for i in range(0, len(inside), share)],
+        )
+        accepted = [result for part in parts for result in part]
+    else:
+        accepted = _accept_batch([matchers[i] for i in inside], [tokens[i] for i in inside])
+    for i, result in zip(inside, accepted, strict=True):
+        results[i] = result if isinstance(result, Exception) else matchers[i]._took(tokens[i], result)
     return results
+
+
+def _accept_batch(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool | Exception]:
+    """The grammars' accepts of these rows, in one xgrammar call; should it raise, one row at a time, so that a
+    failure is its row's alone."""
+    import xgrammar
+
+    if not matchers:
+        return []
+    handles = [matcher._matcher for matcher in matchers]
+    try:
+        return list(xgrammar.BatchGrammarMatcher.batch_accept_token(handles, list(tokens)))
+    except Exception:
+        results: list[bool | Exception] = []
+        for handle, token in zip(handles, tokens, strict=True):
+            try:
+                results.append(handle.accept_token(token))
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 @functools.cache
@@ -254,7 +297,8 @@ class Grammars:
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         started = time.perf_counter()
         try:
-            grammar = CompiledGrammar(spec, self._compile_spec(spec))
+            handle = self._compile_spec(spec)
+            grammar = CompiledGrammar(spec, handle, frozenset(handle.tokenizer_info.stop_token_ids))
             first = Matcher(grammar, GrammarStats())
             first.fill(host_bitmask(1, self._vocab_size), 0)
             if first.terminated:
