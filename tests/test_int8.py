@@ -18,7 +18,7 @@ from rbee_worker.cpu_features import cpu_features
 from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.models.dequant import CPU_DEQUANTIZE_ROWS, dequantize, int8_groups, int8_rows
-from rbee_worker.models.gguf_model import quantized_embedding
+from rbee_worker.models.gguf_quantized import quantized_embedding
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Embedding, Int8Linear
 from rbee_worker.models.loader import load_model

@@ -204,7 +204,8 @@ class FakeMatcher:
         self.masked = -1
         self.terminated = False
 
-    def accept(self, token: int) -> bool:
+    def accept_outside_grammar(self, token: int) -> bool:
+        """Every token taken (grammar.accept_tokens asks this first; True: its grammar has no say)."""
         self.accepted.append(token)
         return True
 

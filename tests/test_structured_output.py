@@ -404,7 +404,9 @@ def test_constrained_rows_with_steps_launched_ahead(demo_gguf: Path, cpu_graphs:
     # Prompt chunks of up to 128 tokens: the three prompts (about 75 tokens) still start in one round, and the prefill
     # graphs captured before ready are those of 16 to 128 tokens, not up to the default's 512 (seconds of float32
     # forwards on a CPU, and no part of what is tested here).
-    config = EngineConfig(max_batch=4, kv_cache_bytes=4 * 512 * per_token, prefill_chunk=128)
+    # A pool of 1,024 tokens: it holds the three requests, and the block tables (as wide as the context the pool
+    # offers), which the CPU's stand-in for the decode kernel (attention.paged_reference) reads whole, stay narrow.
+    config = EngineConfig(max_batch=4, kv_cache_bytes=1024 * per_token, prefill_chunk=128)
     engines = [
         Engine(
             lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")),

@@ -152,10 +152,10 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance past a chosen token; False when the grammar does not allow it (the matcher is unchanged). A dormant
         matcher takes any token, and wakes at the end tag; the start tag as the first token makes it dormant."""
-        outside = self._outside_grammar(token)
+        outside = self.accept_outside_grammar(token)
         return outside if outside is not None else self._took(token, self._matcher.accept_token(token))
 
-    def _outside_grammar(self, token: int) -> bool | None:
+    def accept_outside_grammar(self, token: int) -> bool | None:
         """accept's answer where the grammar has no say (the reasoning's tokens, the start tag); None: the grammar's
         accept decides (then `_took`)."""
         if self._dormant:
@@ -207,7 +207,7 @@ def accept_tokens(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bo
     that their grammars decide go to xgrammar in one call for many (its batch_accept_token), which releases the GIL
     while it parses; with many rows, in one call for each of up to ACCEPT_THREADS contiguous shares of at least
     ACCEPT_BATCH rows, on as many threads."""
-    outside = [matcher._outside_grammar(token) for matcher, token in zip(matchers, tokens, strict=True)]
+    outside = [matcher.accept_outside_grammar(token) for matcher, token in zip(matchers, tokens, strict=True)]
     results: list[bool | Exception] = [result or False for result in outside]
     inside = [i for i, result in enumerate(outside) if result is None]
     threads = min(ACCEPT_THREADS, len(inside) // ACCEPT_BATCH)

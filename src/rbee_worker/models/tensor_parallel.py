@@ -299,5 +299,6 @@ def _split_vocabulary(
 
 
 def _shares(embedding: torch.nn.Module, head: Int8Linear) -> bool:
-    """Whether an Int8Embedding reads the int8 head's own codes (a tied GGUF head: gguf_model.quantized_embedding)."""
+    """Whether an Int8Embedding reads the int8 head's own codes (a tied GGUF head: see
+    gguf_quantized.quantized_embedding)."""
     return isinstance(embedding, Int8Embedding) and embedding.codes.data_ptr() == head.codes.data_ptr()
