@@ -35,7 +35,7 @@ from rbee_worker.models.tp_loading import loading_shard
 # Run by each process: rank, world (0: the whole model in one process, no process group), port, MODEL, where to write
 # the peak RSS in bytes.
 RSS_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from rbee_worker.devices import Placement
 from rbee_worker.engine.tp_ranks import load_shard
 from rbee_worker.models.loader import load_model
@@ -52,7 +52,11 @@ with torch.inference_mode():  # every weight read once, as serving reads them (a
     loaded.model(input_ids=torch.tensor([[1, 2, 3]]))
 status = open("/proc/self/status").read().split("VmHWM:")[1]
 peak = int(status.split()[0]) * 1024
-json.dump({"peak": peak, "weights": loaded.info.weight_bytes}, open(out, "w"))
+with open(out, "w") as file:
+    json.dump({"peak": peak, "weights": loaded.info.weight_bytes}, file)
+# As a rank ends (engine/tp_rank.py): an interpreter's exit beside gloo's threads can abort ("terminate called without
+# an active exception").
+os._exit(0)
 """
 
 
