@@ -141,7 +141,7 @@ class Matcher:
 
     def _filled(self, words: np.ndarray, seconds: float) -> None:
         """After xgrammar has written the row (`words`, a view of it): whether it allows nothing, the start tag where
-        it may come. numpy, not torch: a row's check is a few microseconds, not the ten of a torch call."""
+        it may come. numpy, not torch: a torch call for each row costs more than the check itself."""
         self._stuck = not words.any()
         if self._may_open:
             word, bit = divmod(self._start_id, 32)
@@ -202,9 +202,9 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.
 
 def accept_tokens(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool | Exception]:
     """Matcher.accept for several matchers, each with its token: what each accept returns, or the exception it raised.
-    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser, so that 64 rows, one call each,
-    take milliseconds of the host's time a step (profiled on an H200 host beside an 8B model's 6 ms step). The rows
-    that their grammars decide go to xgrammar in one call for many (its batch_accept_token), which releases the GIL
+    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser, so that many rows, one call
+    each, take a large share of the host's time a step (bench/results/README.md, step_profile). The rows that their
+    grammars decide go to xgrammar in one call for many (its batch_accept_token), which releases the GIL
     while it parses; with many rows, in one call for each of up to ACCEPT_THREADS contiguous shares of at least
     ACCEPT_BATCH rows, on as many threads."""
     outside = [matcher.accept_outside_grammar(token) for matcher, token in zip(matchers, tokens, strict=True)]

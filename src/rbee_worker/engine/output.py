@@ -97,9 +97,9 @@ class OutputProcessor:
         accepting = [i for i, (_, token) in enumerate(pairs) if token not in self._eos]  # EOS: never ignored here
         accepted = accept_tokens([pairs[i][0] for i in accepting], [pairs[i][1] for i in accepting])
         for i, result in zip(accepting, accepted, strict=True):
-            rejected = result is False
-            message = f"the request's grammar does not allow the token chosen ({pairs[i][1]})"
-            results[i] = GrammarRejected(message) if rejected else result
+            if result is False:
+                result = GrammarRejected(f"the request's grammar does not allow the token chosen ({pairs[i][1]})")
+            results[i] = result
         return results
 
     def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:

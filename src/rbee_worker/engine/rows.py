@@ -86,11 +86,13 @@ class RowSampling:
         the rows filled together (grammar.fill_masks); a dormant matcher (a reasoning model's reasoning) allows every
         token, and its row's mask is dropped."""
         masked = fill_masks([matcher for _, matcher in rows], [row for row, _ in rows], self._masks)
+        on_rows = []
         for (row, _), on in zip(rows, masked, strict=True):
-            if not on and row in self._masked:  # a row outside _masked allows every token already (see assign)
+            if on:
+                on_rows.append(row)
+            elif row in self._masked:  # a row outside _masked allows every token already (see assign)
                 self.state.set_mask(row, None)
                 self._masked.discard(row)
-        on_rows = [row for (row, _), on in zip(rows, masked, strict=True) if on]
         self.state.set_masks(on_rows, self._masks)
         self._masked.update(on_rows)
 

@@ -138,16 +138,16 @@ class Steps:
         grammars = [(s, g, out.token) for s, out in taken if out.valid and (g := s.output.grammar) is not None]
         outcomes = self.output.advance((grammar, token) for _, grammar, token in grammars)
         constrained = []
-        for (sequence, _, _), advanced in zip(grammars, outcomes, strict=True):
+        for (sequence, grammar, _), advanced in zip(grammars, outcomes, strict=True):
             if isinstance(advanced, Exception):
                 self._internal_error(sequence, advanced)
             elif advanced:
-                constrained.append(sequence)
+                constrained.append((sequence, grammar))
         if constrained:
             try:
-                self.runner.masks([(s.row, s.output.grammar) for s in constrained if s.output.grammar is not None])
+                self.runner.masks([(sequence.row, grammar) for sequence, grammar in constrained])
             except Exception as exc:
-                for sequence in constrained:
+                for sequence, _ in constrained:
                     self._internal_error(sequence, exc)
         self._sample(held)
         for sequence, out in taken:

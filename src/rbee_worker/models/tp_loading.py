@@ -96,11 +96,11 @@ def load_shard_weights(
     if quantize == "int4":
         check_int4_groups(model, shard.world, path.name)
     # Under int8, each row-parallel layer by its inner linear layer: `int8_columns` reads its part (see the module).
-    int8_wrappers = {
-        id(module.linear): module
-        for module in model.modules()
-        if quantize == "int8" and isinstance(module, RowParallelLinear)
-    }
+    int8_wrappers = (
+        {id(module.linear): module for module in model.modules() if isinstance(module, RowParallelLinear)}
+        if quantize == "int8"
+        else {}
+    )
     for keys, places, cut in parameters(model):
         key = next((key for key in keys if key in where), None)
         if key is None:
