@@ -25,11 +25,13 @@ come from /metrics.
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -117,13 +119,16 @@ def steady_rate(results: list[dict], measured: list[dict]) -> float:
     return tokens / (end - start) / len(measured)
 
 
-async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -> dict[str, float]:
-    """Each mode's measured rate in one round of a case (see the module docstring)."""
-    rates = {}
+async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -> dict[str, Any]:
+    """Each mode's measured rate in one round of a case (see the module docstring), and its requests' timelines:
+    for each request in the order sent, its first and last content chunk (ms after the round's start), its completion
+    tokens and the longest wait between two of its chunks (ms)."""
+    rates: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
         for mode, body in bodies.items():
             batch = [body] * streams if case == "all" else [body, *[bodies["unconstrained"]] * (streams - 1)]
+            started = time.perf_counter()
             results = await asyncio.gather(*(timed(client, b) for b in batch))
             constrained = results[:1] if case == "beside" else results
             if mode == "json_schema" and (cut := next((r for r in constrained if r["finish"] == "length"), None)):
@@ -132,7 +137,15 @@ async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -
             rates[mode] = statistics.mean(r["rate"] for r in measured)
             rates[f"{mode}_steady"] = steady_rate(results, measured)
             rates[f"{mode}_tokens"] = results[0]["tokens"]
+            rates[f"{mode}_timeline"] = [timeline(r, started) for r in results]
     return rates
+
+
+def timeline(result: dict, started: float) -> list[float]:
+    times = result["times"]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    ms = [1000 * (times[0] - started), 1000 * (times[-1] - started), result["tokens"], 1000 * max(gaps, default=0)]
+    return [round(value, 1) for value in ms]
 
 
 def metrics(url: str) -> dict[str, float]:

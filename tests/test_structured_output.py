@@ -132,13 +132,11 @@ def test_the_mask_allows_each_token_of_a_valid_output_then_only_eos(grammars: Gr
     assert matcher.accept(EOS) and matcher.terminated
 
 
-def test_rows_accept_on_threads_as_one_by_one(grammars: Grammars, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """grammar.accept_tokens over many rows, in shares on several threads: each row's result is its own accept's (a
-    token its grammar refuses: False, the matcher unchanged), in the rows' order; every matcher ends where accepting
-    its tokens one by one leaves it, ended at EOS; and should xgrammar's batch call fail, a row whose accept fails
-    gets its exception and the others their results."""
-    monkeypatch.setattr(grammar_module, "ACCEPT_THREADS", 3)
-    monkeypatch.setattr(grammar_module, "ACCEPT_BATCH", 2)
+def test_rows_accept_together_as_one_by_one(grammars: Grammars, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grammar.accept_tokens over many rows in one call: each row's result is its own accept's (a token its grammar
+    refuses: False, the matcher unchanged), in the rows' order; every matcher ends where accepting its tokens one by
+    one leaves it, ended at EOS; and should xgrammar's batch call fail, a row whose accept fails gets its exception and
+    the others their results."""
     tokens = tokenizer.encode(VALID_PERSON, add_special_tokens=False)
     spec = compiled(grammars, GrammarSpec.json_schema(PERSON))
     rows = [grammars.matcher(spec) for _ in range(7)]

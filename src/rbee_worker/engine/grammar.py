@@ -24,7 +24,6 @@ model run on in newlines and spaces until max_tokens.
 import collections
 import functools
 import json
-import os
 import re
 import threading
 import time
@@ -44,10 +43,6 @@ if TYPE_CHECKING:
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept, by xgrammar's measure of their size
 COMPILE_THREADS = 2  # grammars compiled at once, each on one thread: the model's forward keeps the other cores
-# Threads that advance a step's constrained rows (accept_tokens): half the cores, as xgrammar's own batch filler
-# takes, at most 8; and the fewest rows of a thread's share (a hand-off costs about what a few rows' accepts do).
-ACCEPT_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-ACCEPT_BATCH = 8
 # xgrammar's error messages start with a time and a source location: "[18:29:56] /project/cpp/x.cc:5082: ".
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -202,52 +197,32 @@ def fill_masks(matchers: Sequence[Matcher], rows: Sequence[int], bitmask: torch.
 
 def accept_tokens(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool | Exception]:
     """Matcher.accept for several matchers, each with its token: what each accept returns, or the exception it raised.
-    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser, so that many rows, one call
-    each, take a large share of the host's time a step (bench/results/README.md, step_profile). The rows that their
-    grammars decide go to xgrammar in one call for many (its batch_accept_token), which releases the GIL
-    while it parses; with many rows, in one call for each of up to ACCEPT_THREADS contiguous shares of at least
-    ACCEPT_BATCH rows, on as many threads."""
+    A row's accept over a JSON schema takes tens of microseconds of xgrammar's parser; the rows that their grammars
+    decide go to xgrammar in one call (its batch_accept_token), on the engine thread. One call, not shares on several
+    threads: each xgrammar call releases the GIL, and a thread that wants it back waits behind the HTTP server's event
+    loop, which holds it for most of a step when many streams are served (bench/results/README.md); should that call
+    raise, one row at a time, so that a failure is its row's alone."""
+    import xgrammar
+
     outside = [matcher.accept_outside_grammar(token) for matcher, token in zip(matchers, tokens, strict=True)]
     results: list[bool | Exception] = [result or False for result in outside]
     inside = [i for i, result in enumerate(outside) if result is None]
-    threads = min(ACCEPT_THREADS, len(inside) // ACCEPT_BATCH)
-    if threads > 1:
-        share = -(-len(inside) // threads)
-        parts = _accept_pool().map(
-            lambda part: _accept_batch([matchers[i] for i in part], [tokens[i] for i in part]),
-            [inside[i : i + share] for i in range(0, len(inside), share)],
-        )
-        accepted = [result for part in parts for result in part]
-    else:
-        accepted = _accept_batch([matchers[i] for i in inside], [tokens[i] for i in inside])
+    if not inside:
+        return results
+    handles = [matchers[i]._matcher for i in inside]
+    accepted: list[bool | Exception]
+    try:
+        accepted = list(xgrammar.BatchGrammarMatcher.batch_accept_token(handles, [tokens[i] for i in inside]))
+    except Exception:
+        accepted = []
+        for i, handle in zip(inside, handles, strict=True):
+            try:
+                accepted.append(handle.accept_token(tokens[i]))
+            except Exception as exc:
+                accepted.append(exc)
     for i, result in zip(inside, accepted, strict=True):
         results[i] = result if isinstance(result, Exception) else matchers[i]._took(tokens[i], result)
     return results
-
-
-def _accept_batch(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool | Exception]:
-    """The grammars' accepts of these rows, in one xgrammar call; should it raise, one row at a time, so that a
-    failure is its row's alone."""
-    import xgrammar
-
-    if not matchers:
-        return []
-    handles = [matcher._matcher for matcher in matchers]
-    try:
-        return list(xgrammar.BatchGrammarMatcher.batch_accept_token(handles, list(tokens)))
-    except Exception:
-        results: list[bool | Exception] = []
-        for handle, token in zip(handles, tokens, strict=True):
-            try:
-                results.append(handle.accept_token(token))
-            except Exception as exc:
-                results.append(exc)
-        return results
-
-
-@functools.cache
-def _accept_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(ACCEPT_THREADS, thread_name_prefix="rbee-accept")
 
 
 @functools.cache
