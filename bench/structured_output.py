@@ -125,19 +125,22 @@ async def round_of(url: str, bodies: dict[str, dict], case: str, streams: int) -
     tokens and the longest wait between two of its chunks (ms)."""
     rates: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=streams + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
-        for mode, body in bodies.items():
-            batch = [body] * streams if case == "all" else [body, *[bodies["unconstrained"]] * (streams - 1)]
+    for mode, body in bodies.items():
+        batch = [body] * streams if case == "all" else [body, *[bodies["unconstrained"]] * (streams - 1)]
+        # A client of its own for each mode's batch, on new connections: httpx's pool sends a batch over connections
+        # it reuses one request at a time, spread over many engine steps (bench/results/README.md), which would
+        # stagger the second mode's arrivals and not the first's.
+        async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
             started = time.perf_counter()
             results = await asyncio.gather(*(timed(client, b) for b in batch))
-            constrained = results[:1] if case == "beside" else results
-            if mode == "json_schema" and (cut := next((r for r in constrained if r["finish"] == "length"), None)):
-                raise SystemExit(f"error: the constrained output did not end within max_tokens: {cut['text']}")
-            measured = results[1:] if case == "beside" else results
-            rates[mode] = statistics.mean(r["rate"] for r in measured)
-            rates[f"{mode}_steady"] = steady_rate(results, measured)
-            rates[f"{mode}_tokens"] = results[0]["tokens"]
-            rates[f"{mode}_timeline"] = [timeline(r, started) for r in results]
+        constrained = results[:1] if case == "beside" else results
+        if mode == "json_schema" and (cut := next((r for r in constrained if r["finish"] == "length"), None)):
+            raise SystemExit(f"error: the constrained output did not end within max_tokens: {cut['text']}")
+        measured = results[1:] if case == "beside" else results
+        rates[mode] = statistics.mean(r["rate"] for r in measured)
+        rates[f"{mode}_steady"] = steady_rate(results, measured)
+        rates[f"{mode}_tokens"] = results[0]["tokens"]
+        rates[f"{mode}_timeline"] = [timeline(r, started) for r in results]
     return rates
 
 

@@ -121,7 +121,12 @@ async def measure_worker(url: str, spec: dict) -> dict:
             runs = []
             for _ in range(repeats):
                 prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
-                streams = await asyncio.gather(*(complete(p, gen) for p in prompts))
+                # Each batch on a client of its own (new connections): httpx's pool sends a batch over connections
+                # it reuses one request at a time, which would stagger every repeat's arrivals but the first's.
+                async with httpx.AsyncClient(base_url=url, timeout=600) as batch_client:
+                    streams = await asyncio.gather(
+                        *(stream_completion(batch_client, p, gen, spec["sampling"]) for p in prompts)
+                    )
                 wall = max(s.ended for s in streams) - min(s.started for s in streams)
                 runs.append(sum(s.tokens for s in streams) / wall)
             aggregate[str(concurrency)] = statistics.median(runs)
