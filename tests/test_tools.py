@@ -57,6 +57,10 @@ ADD_PARAMETERS = {
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_PARAMETERS}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 NAMES = frozenset({"get_weather", "add", "f", "g"})  # the tools of the texts read below
+# Arguments written as a JSON string, with escapes of every kind: a quote, a newline, a two-byte character and an
+# emoji (a surrogate pair in ASCII-only JSON); the string's text starts with whitespace.
+STRING_ARGUMENTS = ' {"x": "say \\"hi\\"\\n", "e": "\u00e9\U0001f600"}'
+WRITTEN_AS_STRING = '<tool_call>{"name": "f", "arguments": ' + json.dumps(STRING_ARGUMENTS) + "}</tool_call>"
 # A Qwen 2.5-like template: it renders tools, calls and tool results itself.
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
@@ -114,6 +118,7 @@ def every_split(text: str) -> list[list[str]]:
             "",
             [("f", '{"x": 1}')],
         ),
+        (ToolFormat.HERMES, WRITTEN_AS_STRING, "", [("f", STRING_ARGUMENTS)]),
         (  # the arguments as written: spacing, key order and escapes kept, not re-serialized
             ToolFormat.HERMES,
             '<tool_call>{"arguments":{ "b" :[1,{"c":"}\\"]"}],"a":"\\u00e9"}, "name":"f"}</tool_call>',
@@ -213,6 +218,26 @@ def test_calls_read_from_each_format_in_every_split(
             '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
             [],
         ),
+        # Arguments written as a string that does not begin an object: text.
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments": " [1]"}</tool_call>',
+            '<tool_call>{"name": "f", "arguments": " [1]"}</tool_call>',
+            [],
+        ),
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments": " "}</tool_call>',
+            '<tool_call>{"name": "f", "arguments": " "}</tool_call>',
+            [],
+        ),
+        # Once a string's text has begun an object, the call is decided: its arguments are the text decoded.
+        (
+            ToolFormat.HERMES,
+            '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1} and"}</tool_call>',
+            "",
+            [("f", '{"x": 1} and')],
+        ),
         # A second call that breaks after its header: both calls stay, the second with its arguments as written.
         (
             ToolFormat.MISTRAL,
@@ -262,6 +287,34 @@ def test_a_call_streams_as_it_is_written() -> None:
     assert second[0].id != given[header][0].id and not given[-1]
     held = deltas(parsed_calls(ToolFormat.HERMES, NAMES), ['<tool_call>{"name": "f", "arguments": {"x": 1</to'])
     assert [c.arguments for c in held[0]] == ['{"x": 1'] and [c.arguments for c in held[1]] == ["</to"]
+
+
+def test_arguments_written_as_a_string_stream_decoded_as_they_come() -> None:
+    """A character at a time: the header goes out with the string's first brace (and the whitespace before it), each
+    character of the arguments as its escape sequence completes, an emoji's surrogate pair as one."""
+    cut = WRITTEN_AS_STRING.index('"arguments"')
+    pieces = [WRITTEN_AS_STRING[:cut], *WRITTEN_AS_STRING[cut:]]
+    given = deltas(parsed_calls(ToolFormat.HERMES, NAMES), pieces)
+    header = next(i for i, calls in enumerate(given) if calls)
+    assert "".join(pieces[: header + 1]).endswith('"arguments": " {') and given[header][0].arguments == " {"
+    assert given[header][0].name == "f" and given[header][0].id
+    streamed = [c.arguments for calls in given[header + 1 :] for c in calls]
+    assert streamed == list(STRING_ARGUMENTS[2:])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    """tool_choice "auto" with parallel_tool_calls false: the first call is the message's only one, streamed or not;
+    later calls are dropped whole, the text around them read as without the limit."""
+    text = f"Checking.\n{CALL}\n{CALL.replace('Paris', 'Rome')} Done."
+    for pieces in every_split(text):
+        assert run(parsed_calls(ToolFormat.HERMES, NAMES, most=1), pieces) == (
+            "Checking.\nDone.",
+            [("get_weather", '{"city": "Paris"}')],
+        )
+    assert len(run(parsed_calls(ToolFormat.HERMES, NAMES), [text])[1]) == 2
+    mistral = '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"y": 1}}]'
+    for pieces in every_split(mistral):
+        assert run(parsed_calls(ToolFormat.MISTRAL, NAMES, most=1), pieces) == ("", [("f", "{}")])
 
 
 def test_a_chunk_carries_one_entry_per_call() -> None:

@@ -156,7 +156,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
         reasoning = state.engine.reasoning  # admitted: the engine is loaded
         output = ChatOutput(
-            tool_output(tools, body.tool_mode, state.engine.loaded.tool_format),
+            tool_output(tools, body.tool_mode, state.engine.loaded.tool_format, body.parallel_tool_calls),
             None if reasoning is None else ReasoningSplitter(reasoning, opens_reasoning_ids(reasoning, prompt_ids)),
         )
 

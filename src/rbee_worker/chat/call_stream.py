@@ -3,13 +3,15 @@ its arguments' text go out while the model still writes them (chat/tools.py turn
 
 `CallReader` follows the object's members: `name` (a JSON string, which must name one of the request's tools), the
 arguments (`arguments`, or `parameters` as Llama 3 writes them: an object, whose text as written is the call's
-arguments; or a JSON string holding that text, as some models write it, decoded once it closes) and any other member
+arguments; or a JSON string holding that text, as some models write it, decoded as it comes) and any other member
 (skipped). The call is *decided* once its name is read and its arguments have begun (an object's opening brace, or a
-string that has closed on a JSON object), in either order, or when the object closes with a name and no arguments
+string whose text has begun with one), in either order, or when the object closes with a name and no arguments
 (arguments `{}`). From then on it is a call whatever follows: its arguments are the text written up to their closing
 brace, or up to where the caller ends the call (a closing tag, the output's end). Inside the arguments the reader
 tracks strings and nesting only, not JSON's syntax, so what a model writes there stays its arguments as written; a
 call whose arguments close is valid JSON exactly when the model wrote valid JSON (a grammar-constrained call always).
+Arguments written as a string are its text decoded a piece at a time: an escape sequence that a piece cuts (a
+surrogate pair whole) waits for the next piece.
 
 Before the decision, anything that is not such an object (no opening brace, a key without its colon, a name that is
 no tool, arguments that are neither an object nor a string holding one) makes it *not a call*: the reader stops
@@ -32,7 +34,9 @@ class CallReader:
         # what the string or nested value being read is: key, name, arguments (an object), arguments_text (a string)
         # or skip (another member's value)
         self._purpose = ""
-        self._value: list[str] = []  # the text of the key, name or string arguments being read
+        self._value: list[str] = []  # the text of the key or name being read
+        self._undecoded = ""  # string arguments' text read and not yet decoded: an escape sequence cut short
+        self._leading = ""  # string arguments' decoded whitespace before their opening brace
         self._key = ""  # the member whose value comes next
         self._escaped = False  # the last character read inside a string was an unescaped backslash
         self._in_string = False  # inside a string within a nested value
@@ -150,6 +154,10 @@ class CallReader:
                     break
         if self._purpose == "arguments":
             self._unsent.append(text[start:at])
+        elif self._purpose == "arguments_text":
+            if not self._string_arguments(text[start : at - 1 if end is not None else at], end is not None):
+                self.ended = True
+                return at
         elif self._purpose != "skip":
             self._value.append(text[start:at])
         if end is not None:
@@ -162,24 +170,45 @@ class CallReader:
         """A key, name, string or nested value has been read whole; False when it ends the object as not a call."""
         if self._purpose in ("skip", "arguments"):
             return True
+        if self._purpose == "arguments_text":  # its text has gone to the arguments as it came
+            return self._has_arguments
         try:
             value = json.loads('"' + "".join(self._value))
         except ValueError:
             return False
         if self._purpose == "key":
             self._key, self._state = value, "colon"
-        elif self._purpose == "name":
+        else:
             if value not in self._names:
                 return False
             self.name = value
-        else:  # arguments written as a JSON string: its text is the arguments when it holds an object
-            try:
-                if not isinstance(json.loads(value), dict):
-                    return False
-            except ValueError:
+        self._decide()
+        return True
+
+    def _string_arguments(self, raw: str, closed: bool) -> bool:
+        """Arguments written as a JSON string: `raw`, the next of its text as written (up to its closing quote when
+        `closed`), decoded to the arguments as far as whole escape sequences go. False when the string's text does not
+        begin an object, or cannot be decoded before it has: not a call."""
+        pending = self._undecoded + raw
+        cut = len(pending) if closed else _decodable(pending)
+        part, self._undecoded = pending[:cut], pending[cut:]
+        try:
+            text = json.loads('"' + part + '"')
+        except ValueError:
+            if not self._has_arguments:
                 return False
-            self._unsent.append(value)
-            self._has_arguments = True
+            text = part  # not JSON's escapes: the arguments as written
+        if self._has_arguments:
+            self._unsent.append(text)
+            return True
+        self._leading += text
+        begun = self._leading.lstrip(WHITESPACE)
+        if not begun:
+            return True
+        if not begun.startswith("{"):
+            return False
+        self._has_arguments = True
+        self._unsent.append(self._leading)
         self._decide()
         return True
 
@@ -192,3 +221,28 @@ class CallReader:
 
     def _decide(self) -> None:
         self.decided = self.decided or (self.name is not None and self._has_arguments)
+
+
+def _decodable(text: str) -> int:
+    """How much of a JSON string's text (as written, without quotes) ends outside an escape sequence: `\\uD83D`
+    waits for the low half of its surrogate pair."""
+    at = end = 0
+    while at < len(text):
+        if text[at] != "\\":
+            at += 1
+        elif text[at + 1 : at + 2] != "u":
+            at += 2
+        elif at + 6 > len(text):
+            break
+        else:
+            high = text[at + 2 : at + 4].lower() in ("d8", "d9", "da", "db")
+            at += 6
+            rest = text[at : at + 6]
+            if high and (rest.startswith("\\u") or "\\u".startswith(rest)):
+                if len(rest) < 6:
+                    break
+                at += 6
+        if at > len(text):
+            break
+        end = at
+    return end

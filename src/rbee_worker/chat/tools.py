@@ -16,7 +16,9 @@
   there, with finish_reason as generated (`length` for max_tokens).
 - `tool_choice` "auto" reads what the model writes (`parsed_calls`): Hermes (`HermesCalls`) reads the calls inside
   their tags, the rest content; Llama 3 JSON and Mistral (`JsonCalls`) read calls from an output that opens with one,
-  up to the first text that is not a call. Parallel calls are numbered 0, 1, ... as they are decided.
+  up to the first text that is not a call. Parallel calls are numbered 0, 1, ... as they are decided; with
+  `parallel_tool_calls` false the first is the only one, and later calls are dropped whole (as vLLM does; the
+  generation runs on to its end).
 - "required" and a named function constrain the output with a grammar (`forced_grammar`), as vLLM does: for a named
   function the output is its arguments (`NamedCall` streams them as they come); for "required" it is a JSON array of
   `{"name", "parameters"}` objects (`RequiredCalls`), read as Mistral's calls are.
@@ -121,11 +123,13 @@ class StreamedCalls:
     """What the readers of the calls a model writes share: the calls' numbering, and their deltas as each call's
     reader goes (a call's first delta, with its id and name, once the call is decided)."""
 
-    def __init__(self, names: frozenset[str]) -> None:
+    def __init__(self, names: frozenset[str], most: int | None = None) -> None:
         self._names = names
+        self._most = most  # the calls a message may hold (None: any number); the rest are dropped
         self._reader: CallReader | None = None
-        self._count = 0  # the calls decided so far
-        self._headed = False  # whether the open call's first delta has gone out
+        self._count = 0  # the calls decided so far, and kept
+        self._headed = False  # whether the open call has been decided (its first delta gone out, or dropped)
+        self._dropped = False  # the open call is past `most`: no deltas
         self._held = ""  # text not yet read: what may still begin a tag or an opening
 
     def feed(self, text: str) -> Piece:
@@ -136,7 +140,7 @@ class StreamedCalls:
         raise NotImplementedError
 
     def _open_call(self) -> None:
-        self._reader, self._headed = CallReader(self._names), False
+        self._reader, self._headed, self._dropped = CallReader(self._names), False, False
 
     def _read_call(self, text: str) -> tuple[int, Piece]:
         """Feed the open call `text`: how much of it the call read, and the deltas that makes."""
@@ -145,10 +149,15 @@ class StreamedCalls:
         if not self._reader.decided:
             return used, Piece()
         arguments = self._reader.take()
-        if self._headed:
-            return used, Piece(calls=[CallDelta(self._count - 1, arguments)] if arguments else [])
-        self._count, self._headed = self._count + 1, True
-        return used, Piece(calls=[CallDelta(self._count - 1, arguments, new_call_id(), self._reader.name)])
+        if not self._headed:
+            self._headed = True
+            self._dropped = self._most is not None and self._count >= self._most
+            if not self._dropped:
+                self._count += 1
+                return used, Piece(calls=[CallDelta(self._count - 1, arguments, new_call_id(), self._reader.name)])
+        if self._dropped or not arguments:
+            return used, Piece()
+        return used, Piece(calls=[CallDelta(self._count - 1, arguments)])
 
     def _end_call(self) -> str | None:
         """Close the open call: None when it is a call, else the text it read (content as written)."""
@@ -162,8 +171,8 @@ class HermesCalls(StreamedCalls):
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__(names)
+    def __init__(self, names: frozenset[str], most: int | None = None) -> None:
+        super().__init__(names, most)
         # text; call (inside a call's tags); closing (its JSON has ended, its closing tag is still to come);
         # after (a call has ended: whitespace is not content)
         self._mode = "text"
@@ -235,8 +244,8 @@ class JsonCalls(StreamedCalls):
 
     SEPARATORS = " \t\r\n;,[]"
 
-    def __init__(self, names: frozenset[str], openings: tuple[str, ...]) -> None:
-        super().__init__(names)
+    def __init__(self, names: frozenset[str], openings: tuple[str, ...], most: int | None = None) -> None:
+        super().__init__(names, most)
         self._openings = openings  # the marker token's text (when the detokenizer keeps it), and the JSON's opening
         self._mode = "start"  # start, between (calls), call (in one), text
         self._syntax = ""  # what was read as calls' syntax while no call is made: content if none comes
@@ -355,22 +364,26 @@ def forced_grammar(tools: list[dict[str, Any]], choice: str, parallel: bool) -> 
     return GrammarSpec.json_schema(array)
 
 
-def parsed_calls(fmt: ToolFormat, names: frozenset[str]) -> ToolOutput:
-    """What reads the calls a model writes in `fmt` to the tools `names` (tool_choice "auto")."""
+def parsed_calls(fmt: ToolFormat, names: frozenset[str], most: int | None = None) -> ToolOutput:
+    """What reads the calls a model writes in `fmt` to the tools `names` (tool_choice "auto"), keeping at most `most`
+    of them."""
     if fmt is ToolFormat.HERMES:
-        return HermesCalls(names)
+        return HermesCalls(names, most)
     # The marker token's text (when the detokenizer keeps it), then what else opens an output of calls.
-    return JsonCalls(names, ("<|python_tag|>", "{") if fmt is ToolFormat.LLAMA3_JSON else ("[TOOL_CALLS]", "["))
+    openings = ("<|python_tag|>", "{") if fmt is ToolFormat.LLAMA3_JSON else ("[TOOL_CALLS]", "[")
+    return JsonCalls(names, openings, most)
 
 
-def tool_output(tools: list[dict[str, Any]] | None, choice: str, fmt: ToolFormat) -> ToolOutput | None:
+def tool_output(
+    tools: list[dict[str, Any]] | None, choice: str, fmt: ToolFormat, parallel: bool = True
+) -> ToolOutput | None:
     """What reads a chat request's output for its tools (None: text only): `choice` is none, auto, required or a
-    function's name."""
+    function's name; without `parallel`, a message holds at most one call (required: its grammar says so)."""
     if not tools or choice == "none":
         return None
     names = frozenset(tool["function"]["name"] for tool in tools)
     if choice == "auto":
-        return parsed_calls(fmt, names)
+        return parsed_calls(fmt, names, None if parallel else 1)
     if choice == "required":
         return RequiredCalls(names)
     return NamedCall(choice)
