@@ -15,11 +15,16 @@ model computes.
 """
 
 import concurrent.futures
+import functools
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -68,6 +73,118 @@ dist.destroy_process_group()
 """
 
 
+# A process that imports what the rank scripts import (torch, torch.distributed, the loader), then forks a child per
+# request that runs the request's script with its arguments as sys.argv[1:]: each child is a fresh process of its own
+# (its own pid, memory and process group), without importing torch again. Requests and answers are JSON lines; the
+# zygote ends when its stdin closes.
+SCRIPT_ZYGOTE = """
+import json, os, sys, traceback
+import torch, torch.distributed
+from rbee_worker.devices import Placement
+from rbee_worker.engine.kv_cache import kv_shape
+from rbee_worker.engine.tp_ranks import load_shard
+from rbee_worker.models.loader import load_model
+
+def child(request):
+    code = 1
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+        os.dup2(os.open(os.devnull, os.O_RDWR), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+        sys.argv = ["-c", *request["args"]]
+        exec(compile(request["script"], "<script>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+for line in sys.stdin:
+    request = json.loads(line)
+    if "pid" in request:  # its exit code once it has ended, else null
+        pid, status = os.waitpid(request["pid"], os.WNOHANG)
+        print(json.dumps({"code": os.waitstatus_to_exitcode(status) if pid else None}), flush=True)
+        continue
+    sys.stdout.flush()
+    if (pid := os.fork()) == 0:
+        child(request)
+    print(json.dumps({"pid": pid}), flush=True)
+"""
+
+
+class ScriptForks:
+    """Runs scripts as processes forked from one zygote (SCRIPT_ZYGOTE) that has imported torch and the loader once,
+    for scripts whose imports are not what a test checks; `close` ends it."""
+
+    def __init__(self) -> None:
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT_ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self._lock = threading.Lock()  # one request and its answer at a time on the pipes
+
+    def _ask(self, request: dict) -> dict:
+        with self._lock:
+            assert self._zygote.stdin is not None and self._zygote.stdout is not None
+            self._zygote.stdin.write(json.dumps(request) + "\n")
+            self._zygote.stdin.flush()
+            line = self._zygote.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the script zygote exited with {self._zygote.wait()}")
+            return json.loads(line)
+
+    def start(self, script: str, args: list[str], stderr: Path) -> int:
+        """The pid of a child running `script` with `args`, its stderr written to the file `stderr`."""
+        return self._ask({"script": script, "args": args, "stderr": str(stderr)})["pid"]
+
+    def wait(self, pid: int, timeout: float) -> int:
+        """The child's exit code once it has ended; it is killed after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while (code := self._ask({"pid": pid})["code"]) is None:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"script process {pid} still ran after {timeout} s")
+            time.sleep(0.05)
+        return code
+
+    def close(self) -> None:
+        """Ends the zygote at once: it holds no state, and its interpreter's shutdown (torch's) is slow."""
+        assert self._zygote.stdin is not None
+        self._zygote.stdin.close()
+        self._zygote.kill()
+        self._zygote.wait()
+
+
+@functools.cache
+def script_forks() -> ScriptForks:
+    """The zygote of the modules that run rank scripts (sharded, test_tensor_parallel_loading's peaks), started at
+    its first use; each such module's `close_script_forks` ends it after the module's last test."""
+    return ScriptForks()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_script_forks() -> Iterator[None]:
+    """Ends the script zygote after the module's tests, if they started one: it holds torch's memory while it lives."""
+    yield
+    if script_forks.cache_info().currsize:
+        script_forks().close()
+        script_forks.cache_clear()
+
+
+def run_scripts(script: str, argv: list[list[str]], tmp_path: Path, timeout: float = 300) -> None:
+    """`script` in one forked process per entry of `argv` (its arguments), all at once; each must exit 0."""
+    forks = script_forks()
+    logs = [tmp_path / f"script-{i}-{uuid.uuid4().hex[:6]}.stderr" for i in range(len(argv))]
+    pids = [forks.start(script, args, log) for args, log in zip(argv, logs, strict=True)]
+    deadline = time.monotonic() + timeout
+    for pid, log in zip(pids, logs, strict=True):
+        code = forks.wait(pid, max(1.0, deadline - time.monotonic()))
+        assert code == 0, log.read_text(errors="replace")
+
+
 def whole_logits(spec: str, quantize: str = "none") -> torch.Tensor:
     """The logits of IDS from MODEL loaded whole in one process, in float32 (as the ranks load it)."""
     loaded = load_model(spec, Placement(CPU, torch.float32), quantize=quantize, runtime="torch")
@@ -86,17 +203,9 @@ def assert_same_tensors(loaded: torch.nn.Module, expected: torch.nn.Module) -> N
 def sharded(spec: str, world: int, tmp_path: Path, quantize: str = "none") -> dict:
     """Rank 0's logits of IDS and its KV cache's shape, from MODEL cut over `world` gloo processes."""
     out, port = tmp_path / "logits.pt", str(free_port())
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(world), port, spec, quantize, str(out)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    for rank in ranks:
-        _, stderr = rank.communicate(timeout=300)
-        assert rank.returncode == 0, stderr
+    run_scripts(
+        RANK_SCRIPT, [[str(rank), str(world), port, spec, quantize, str(out)] for rank in range(world)], tmp_path
+    )
     return torch.load(out)
 
 
@@ -155,9 +264,9 @@ def test_serve_over_4_ranks_with_2_key_value_heads_gives_one_process_tokens(
     """Through the engine (its attention, the paged KV cache of one key/value head a rank, the padded vocabulary)."""
     model = str(tiny_qwen2_2_kv_heads)
     flags = ("--model", model, "--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.1")
-    with running(tmp_path, *flags) as worker:
+    with running(tmp_path, *flags, fork=True) as worker:
         alone = completions(worker.url, model=model)
-    with running(tmp_path, *flags, "--tensor-parallel", "4") as worker:
+    with running(tmp_path, *flags, "--tensor-parallel", "4", fork=True) as worker:
         split = completions(worker.url, model=model)
     assert [c["logprobs"]["tokens"] for c in split] == [c["logprobs"]["tokens"] for c in alone]
 
@@ -192,7 +301,7 @@ def test_a_model_that_does_not_split_is_refused_naming_its_sizes() -> None:
 def test_serve_demo_over_2_ranks_exits_2_naming_the_heads() -> None:
     started = time.perf_counter()
     flags = ("--tensor-parallel", "2", "--device", "cpu", "--log-level", "warning")  # only the error on stderr
-    result = cli("serve", "--model", "demo", "--port", "0", *flags, timeout=120)
+    result = cli("serve", "--model", "demo", "--port", "0", *flags, timeout=120, fork=True)
     line = assert_error(result, "--tensor-parallel 2", "9 attention heads", "use --tensor-parallel 3")
     assert time.perf_counter() - started < 60, line  # refused from the config, before any rank starts
 
@@ -247,9 +356,9 @@ def rank_pids(worker_pid: int, world: int, timeout: float = 30) -> list[int]:
 @pytest.mark.slow
 def test_demo_over_3_ranks_gives_one_process_greedy_tokens(tmp_path: Path) -> None:
     flags = ("--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.5")
-    with running(tmp_path, *flags) as worker:
+    with running(tmp_path, *flags, fork=True) as worker:
         alone = completions(worker.url)
-    with running(tmp_path, *flags, "--tensor-parallel", "3") as worker:
+    with running(tmp_path, *flags, "--tensor-parallel", "3", fork=True) as worker:
         pids = rank_pids(worker.process.pid, 3)
         split = completions(worker.url)
         health = httpx.get(f"{worker.url}/health").json()
@@ -274,7 +383,7 @@ def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: 
 
 @pytest.mark.parametrize("killed", ["rank 1 idle", "rank 1 generating", "rank 0", "SIGTERM to every rank"])
 def test_a_rank_that_dies_ends_the_whole_worker(tmp_path: Path, tiny_tp_model: Path, killed: str) -> None:
-    worker = launch(tmp_path, "--model", str(tiny_tp_model), "--tensor-parallel", "2", "--device", "cpu")
+    worker = launch(tmp_path, "--model", str(tiny_tp_model), "--tensor-parallel", "2", "--device", "cpu", fork=True)
     try:
         worker.wait_healthy()
         (rank1,) = rank_pids(worker.process.pid, 2)

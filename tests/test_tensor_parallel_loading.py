@@ -17,23 +17,28 @@ the model's size than one process's.
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_tiny_model
 from serving import free_port
-from test_tensor_parallel import assert_same_tensors, sharded, whole_logits
+from test_tensor_parallel import (  # noqa: F401 -- close_script_forks: the module's fixture
+    assert_same_tensors,
+    close_script_forks,
+    run_scripts,
+    sharded,
+    whole_logits,
+)
 
 from rbee_worker.devices import Placement
 from rbee_worker.models.loader import load_model
 from rbee_worker.models.tensor_parallel import shard_model
 from rbee_worker.models.tp_loading import loading_shard
 
-# Run by each process: rank, world (0: the whole model in one process, no process group), port, MODEL, where to write
-# the peak RSS in bytes.
+# Run by each process, forked from one that has imported torch and the loader (run_scripts), so that every process
+# starts from the same imports: rank, world (0: the whole model in one process, no process group), port, MODEL, where
+# to write the peak RSS in bytes.
 RSS_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
 from rbee_worker.devices import Placement
@@ -82,17 +87,7 @@ def peaks(spec: str, world: int, tmp_path: Path) -> list[dict]:
     """Each process's peak RSS and weight bytes: `world` ranks, or (0) one process loading the whole model."""
     port = str(free_port())
     outs = [tmp_path / f"rss-{world}-{rank}.json" for rank in range(max(world, 1))]
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", RSS_SCRIPT, str(rank), str(world), port, spec, str(out)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank, out in enumerate(outs)
-    ]
-    for process in processes:
-        _, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr
+    run_scripts(RSS_SCRIPT, [[str(rank), str(world), port, spec, str(out)] for rank, out in enumerate(outs)], tmp_path)
     return [json.loads(out.read_text()) for out in outs]
 
 

@@ -12,12 +12,11 @@
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import cli_forks
 import httpx
 import psutil
 import pytest
@@ -88,7 +87,7 @@ def test_the_world_spreads_over_the_nodes() -> None:
 )
 def test_bad_placement_flags_exit_2_with_one_line(flags: tuple[str, ...], words: tuple[str, ...]) -> None:
     flags = (*flags, "--log-level", "warning")  # only the error on stderr
-    result = cli("serve", "--model", "demo", "--port", "0", *flags, timeout=120, env=HIDE_CUDA)
+    result = cli("serve", "--model", "demo", "--port", "0", *flags, timeout=120, env=HIDE_CUDA, fork=True)
     assert_error(result, *words)
 
 
@@ -112,17 +111,13 @@ def greedy(url: str, model: Path) -> list[list[str]]:
     return tokens
 
 
-def start_node(model: Path, rank: int, master_port: int, log: Path) -> subprocess.Popen[bytes]:
-    """`serve --node-rank RANK` of a 2-node, 2-rank worker (node 0 listens where `launch` says; node 1 on no port)."""
+def start_node(model: Path, rank: int, master_port: int, log: Path) -> cli_forks.ForkedProcess:
+    """`serve --node-rank RANK` of a 2-node, 2-rank worker (node 0 listens where `launch` says; node 1 on no port),
+    forked from the session's CLI zygote (cli_forks.shared), as `launch(..., fork=True)` starts node 0."""
     flags = ["--model", str(model), "--tp", "2", "--nnodes", "2", "--node-rank", str(rank), "--dtype", "float32"]
     flags += ["--device", "cpu", "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    with log.open("wb") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "rbee_worker", "serve", *flags],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    log.touch()
+    return cli_forks.shared().spawn({**os.environ, "PYTHONUNBUFFERED": "1"}, ("serve", *flags), log)
 
 
 def node_flags(model: Path, master_port: int) -> tuple[str, ...]:
@@ -154,7 +149,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def test_two_nodes_give_one_process_greedy_tokens_and_stop_together(tmp_path: Path, tiny_tp_model: Path) -> None:
-    alone = launch(tmp_path, "--model", str(tiny_tp_model), "--dtype", "float32", "--device", "cpu")
+    alone = launch(tmp_path, "--model", str(tiny_tp_model), "--dtype", "float32", "--device", "cpu", fork=True)
     try:
         alone.wait_healthy()
         expected = greedy(alone.url, tiny_tp_model)
@@ -162,7 +157,7 @@ def test_two_nodes_give_one_process_greedy_tokens_and_stop_together(tmp_path: Pa
         assert alone.stop() == 0, alone.stderr()
     master_port = free_port()
     node1 = start_node(tiny_tp_model, 1, master_port, tmp_path / "node1.stderr")
-    node0 = launch(tmp_path, *node_flags(tiny_tp_model, master_port))
+    node0 = launch(tmp_path, *node_flags(tiny_tp_model, master_port), fork=True)
     try:
         node0.wait_healthy()
         ranks = descendants(node1.pid)
@@ -189,7 +184,7 @@ def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_
     `unhealthy` naming the lost rank, then exit non-zero within seconds, never a wait in a collective."""
     master_port = free_port()
     node1 = start_node(tiny_tp_model, 1, master_port, tmp_path / "node1.stderr")
-    node0 = launch(tmp_path, *node_flags(tiny_tp_model, master_port))
+    node0 = launch(tmp_path, *node_flags(tiny_tp_model, master_port), fork=True)
     ranks: list[int] = []
     try:
         node0.wait_healthy()
@@ -254,13 +249,23 @@ def test_a_killed_node_makes_node_0_unhealthy_then_exit(tmp_path: Path, tiny_tp_
 # -- reports --------------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def tiny_3_way_model(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> Path:
+    """A tiny random Llama whose heads (6), key/value heads (3) and intermediate size (192) divide by 3, with the demo
+    tokenizer and its LM head untied from the embedding."""
+    directory = tmp_path_factory.mktemp("tiny-tp-3") / "llama"
+    shape = {"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3}
+    return make_tiny_model(directory, "llama", demo_tokenizer_dir, tie_word_embeddings=False, **shape)
+
+
 @pytest.mark.slow
-def test_health_callback_and_metrics_report_every_rank(tmp_path: Path) -> None:
-    """The demo over 3 ranks: /health and the ready callback name 3 devices, and their memory is the sum of the
+def test_health_callback_and_metrics_report_every_rank(tmp_path: Path, tiny_3_way_model: Path) -> None:
+    """A tiny model over 3 ranks: /health and the ready callback name 3 devices, and their memory is the sum of the
     ranks' (the weights: the shards plus the replicated embedding and LM head, more than one process's whole model)."""
     manager = Manager([200])
-    flags = ("--dtype", "float32", "--quantize", "none", "--device", "cpu", "--max-batch", "2", "--kv-cache-gb", "0.25")
-    alone = launch(tmp_path, *flags, "--callback-url", f"{manager.url}/ready")
+    flags = ("--model", str(tiny_3_way_model), "--dtype", "float32", "--quantize", "none", "--device", "cpu")
+    flags += ("--max-batch", "2", "--kv-cache-gb", "0.05")
+    alone = launch(tmp_path, *flags, "--callback-url", f"{manager.url}/ready", fork=True)
     try:
         alone.wait_healthy()
         single = httpx.get(f"{alone.url}/health").json()
@@ -271,7 +276,7 @@ def test_health_callback_and_metrics_report_every_rank(tmp_path: Path) -> None:
         assert alone.stop() == 0, alone.stderr()
     manager.close()
     manager = Manager([200])
-    worker = launch(tmp_path, *flags, "--tensor-parallel", "3", "--callback-url", f"{manager.url}/ready")
+    worker = launch(tmp_path, *flags, "--tensor-parallel", "3", "--callback-url", f"{manager.url}/ready", fork=True)
     try:
         worker.wait_healthy(timeout=300)
         health = httpx.get(f"{worker.url}/health").json()

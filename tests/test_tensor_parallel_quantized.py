@@ -24,7 +24,14 @@ import torch
 from conftest import cli, make_tiny_model
 from serving import running
 from test_load_errors import assert_error
-from test_tensor_parallel import IDS, assert_same_tensors, completions, sharded, whole_logits
+from test_tensor_parallel import (  # noqa: F401 -- close_script_forks: the module's fixture
+    IDS,
+    assert_same_tensors,
+    close_script_forks,
+    completions,
+    sharded,
+    whole_logits,
+)
 
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
@@ -138,9 +145,9 @@ def test_serve_demo_int4_over_3_ranks_follows_one_process_int4(tmp_path: Path) -
     ever, the split model picks a token that one process ranked second, at most NEAR_TIE nats behind its first: the
     rounding of the kernels' bfloat16 sums (see the module) moves logits by less than that."""
     flags = ("--quantize", "int4", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.5")
-    with running(tmp_path, *flags) as worker:
+    with running(tmp_path, *flags, fork=True) as worker:
         alone = completions(worker.url, logprobs=2)
-    with running(tmp_path, *flags, "--tensor-parallel", "3") as worker:
+    with running(tmp_path, *flags, "--tensor-parallel", "3", fork=True) as worker:
         split = completions(worker.url)
     same = 0
     for one, three in zip(alone, split, strict=True):
@@ -168,5 +175,5 @@ def int4_split_inside_groups(tmp_path_factory: pytest.TempPathFactory, demo_toke
 
 def test_serve_int4_that_would_cut_its_groups_exits_2(int4_split_inside_groups: Path) -> None:
     flags = ("--quantize", "int4", "--tensor-parallel", "2", "--device", "cpu", "--log-level", "warning")
-    result = cli("serve", "--model", str(int4_split_inside_groups), "--port", "0", *flags, timeout=180)
+    result = cli("serve", "--model", str(int4_split_inside_groups), "--port", "0", *flags, timeout=180, fork=True)
     assert_error(result, "o_proj is int4 in groups of 32 inputs", "its 96 inputs split into parts of 48")
