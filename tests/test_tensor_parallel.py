@@ -146,7 +146,7 @@ class ScriptForks:
         while (code := self._ask({"pid": pid})["code"]) is None:
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
-                pytest.fail(f"script process {pid} still ran after {timeout} s")
+                pytest.fail(f"script process {pid} still ran after {timeout:.0f} s")
             time.sleep(0.05)
         return code
 
@@ -175,14 +175,22 @@ def close_script_forks() -> Iterator[None]:
 
 
 def run_scripts(script: str, argv: list[list[str]], tmp_path: Path, timeout: float = 300) -> None:
-    """`script` in one forked process per entry of `argv` (its arguments), all at once; each must exit 0."""
+    """`script` in one forked process per entry of `argv` (its arguments), all at once; each must exit 0. Where one
+    fails, the others (which may wait for it in a collective) are killed."""
     forks = script_forks()
     logs = [tmp_path / f"script-{i}-{uuid.uuid4().hex[:6]}.stderr" for i in range(len(argv))]
     pids = [forks.start(script, args, log) for args, log in zip(argv, logs, strict=True)]
+    running = set(pids)
     deadline = time.monotonic() + timeout
-    for pid, log in zip(pids, logs, strict=True):
-        code = forks.wait(pid, max(1.0, deadline - time.monotonic()))
-        assert code == 0, log.read_text(errors="replace")
+    try:
+        for pid, log in zip(pids, logs, strict=True):
+            code = forks.wait(pid, max(1.0, deadline - time.monotonic()))
+            running.discard(pid)
+            assert code == 0, log.read_text(errors="replace")
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+            forks.wait(pid, 30)
 
 
 def whole_logits(spec: str, quantize: str = "none") -> torch.Tensor:
