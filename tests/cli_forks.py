@@ -80,19 +80,25 @@ class CliForks:
         return subprocess.CompletedProcess(["rbee-worker", *args], code, out.read_text(), err.read_text())
 
     def _ask(self, request: dict) -> dict:
-        with self._lock:
-            assert self._zygote.stdin is not None and self._zygote.stdout is not None
-            self._zygote.stdin.write(json.dumps(request) + "\n")
-            self._zygote.stdin.flush()
-            line = self._zygote.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the CLI zygote exited with {self._zygote.wait()}")
-            return json.loads(line)
+        return ask_zygote(self._zygote, self._lock, request, "the CLI zygote")
 
     def close(self) -> None:
         assert self._zygote.stdin is not None
         self._zygote.stdin.close()
         self._zygote.wait(30)
+
+
+def ask_zygote(zygote: "subprocess.Popen[str]", lock: threading.Lock, request: dict, name: str) -> dict:
+    """One request to a zygote (a JSON line on its stdin) and its answer (a JSON line on its stdout), one at a time
+    under `lock`; `name` says whose, should it have exited."""
+    with lock:
+        assert zygote.stdin is not None and zygote.stdout is not None
+        zygote.stdin.write(json.dumps(request) + "\n")
+        zygote.stdin.flush()
+        line = zygote.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{name} exited with {zygote.wait()}")
+        return json.loads(line)
 
 
 @functools.cache

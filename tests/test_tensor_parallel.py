@@ -16,7 +16,6 @@ model computes.
 
 import concurrent.futures
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -31,6 +30,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from cli_forks import ask_zygote
 from conftest import cli, make_tiny_model
 from serving import execute, free_port, launch, read_rest, running, sse_events, take_tokens
 from test_load_errors import assert_error
@@ -127,14 +127,7 @@ class ScriptForks:
         self._lock = threading.Lock()  # one request and its answer at a time on the pipes
 
     def _ask(self, request: dict) -> dict:
-        with self._lock:
-            assert self._zygote.stdin is not None and self._zygote.stdout is not None
-            self._zygote.stdin.write(json.dumps(request) + "\n")
-            self._zygote.stdin.flush()
-            line = self._zygote.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the script zygote exited with {self._zygote.wait()}")
-            return json.loads(line)
+        return ask_zygote(self._zygote, self._lock, request, "the script zygote")
 
     def start(self, script: str, args: list[str], stderr: Path) -> int:
         """The pid of a child running `script` with `args`, its stderr written to the file `stderr`."""
