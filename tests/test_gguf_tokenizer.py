@@ -209,10 +209,18 @@ def test_bos_and_eos_follow_the_file(demo_metadata: dict[str, Any]) -> None:
     assert tokenizer.encode("Hello") == [1, *plain, 2]
 
 
-def test_matches_transformers_gguf_tokenizer_on_text_without_digits(
-    demo: PreTrainedTokenizerFast, demo_gguf: Path
-) -> None:
+@pytest.fixture(scope="module")
+def transformers_build(demo_gguf: Path) -> tuple[PreTrainedTokenizerFast, float]:
+    """transformers' own tokenizer of the demo file, converted from the GGUF, and the CPU time its conversion took."""
+    start = time.process_time()
     reference = AutoTokenizer.from_pretrained(str(demo_gguf.parent), gguf_file=demo_gguf.name)
+    return reference, time.process_time() - start
+
+
+def test_matches_transformers_gguf_tokenizer_on_text_without_digits(
+    demo: PreTrainedTokenizerFast, transformers_build: tuple[PreTrainedTokenizerFast, float]
+) -> None:
+    reference, _ = transformers_build
     texts = [
         "The quick brown fox jumps over the lazy dog.",
         "Crème brûlée, naïve façade. 日本語 😀",
@@ -224,14 +232,18 @@ def test_matches_transformers_gguf_tokenizer_on_text_without_digits(
         assert demo.encode(text) == reference.encode(text), text
 
 
-def test_build_is_fast(demo_metadata: dict[str, Any]) -> None:
-    # CPU time, not wall time: the machine running the tests may be busy with other work.
+def test_build_is_fast(
+    demo_metadata: dict[str, Any], transformers_build: tuple[PreTrainedTokenizerFast, float]
+) -> None:
+    # Against transformers' conversion of the same file in the same process (a ratio, as the machine's speed and load
+    # vary): a worker starts on this build, and transformers' conversion takes seconds. CPU time, not wall time.
     best = float("inf")
     for _ in range(3):
         start = time.process_time()
         build_tokenizer(demo_metadata)
         best = min(best, time.process_time() - start)
-    assert best < 0.5
+    _, reference_seconds = transformers_build
+    assert best < reference_seconds / 5, (best, reference_seconds)
 
 
 # --- a small synthetic sentencepiece ("llama") vocabulary -----------------------------------------------------------
