@@ -43,7 +43,8 @@ def compare_with_tensor_path(device: str, rows: int, vocab: int, trials: int) ->
     compared = 0
     for trial in range(trials):
         for slot in range(rows):
-            state.assign(slot, SETTINGS[(trial + slot) % len(SETTINGS)], 2**63 + 977 * trial + slot, [])
+            # A stride of 7 (prime to the 12 settings): over four trials, six rows still meet every setting.
+            state.assign(slot, SETTINGS[(7 * trial + slot) % len(SETTINGS)], 2**63 + 977 * trial + slot, [])
         logits = torch.randn(rows, vocab, generator=generator) * (1.0 + 3 * (trial % 3))
         if trial % 2:
             logits = logits.round()
@@ -132,11 +133,12 @@ def test_libdevice_exp_equals_torch_exp_on_every_float_the_weights_use() -> None
 
 
 def test_interpreted_kernels_give_what_the_tensor_path_gives() -> None:
-    """The kernels' logic on a machine without a GPU: a vocabulary of three chunks, the last one partial."""
+    """The kernels' logic on a machine without a GPU: a vocabulary of three chunks, the last one partial; six rows, as
+    the interpreter runs one row's program at a time."""
     pytest.importorskip("triton")
     check = (
         "import sys; sys.path.insert(0, sys.argv[1]); import test_sampler_triton as t; "
-        "print(t.compare_with_tensor_path('cpu', 12, 9000, trials=4) + t.compare_penalties('cpu', 9000))"
+        "print(t.compare_with_tensor_path('cpu', 6, 9000, trials=4) + t.compare_penalties('cpu', 9000))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
