@@ -214,11 +214,11 @@ def run_mixed_traffic(engine, prompts: Sequence[str], stop: str | None) -> list[
         return [Request(engine.tokenize(p), max_tokens=m, sampling=SamplingParams(temperature=0)) for p, m in
                 zip(texts, max_tokens, strict=True)]  # fmt: skip
 
-    first = requests(prompts, [1, 7, 64])
-    first.append(Request(engine.tokenize(prompts[0]), max_tokens=24, sampling=SamplingParams(temperature=0.8), seed=5))
+    first = requests(prompts, [1, 7, 32])
+    first.append(Request(engine.tokenize(prompts[0]), max_tokens=16, sampling=SamplingParams(temperature=0.8), seed=5))
     if stop is not None:
         first.append(dataclasses.replace(first[2], request_id="stopped", stop=(stop,)))
-    second = requests(prompts[::-1], [40, 3, 33])
+    second = requests(prompts[::-1], [20, 3, 17])
     streams = [queue.SimpleQueue() for _ in (*first, *second)]
     for request, events in zip(first, streams, strict=False):
         engine.submit(request, events.put)

@@ -427,8 +427,8 @@ def test_constrained_rows_with_steps_launched_ahead(demo_gguf: Path, cpu_graphs:
             hot = SamplingParams(temperature=HOT)
             requests = [
                 Request(engine.tokenize_chat(ASK), max_tokens=200, sampling=hot, seed=11, grammar=grammar),  # row 0
-                Request(engine.tokenize(PROMPT), max_tokens=100, sampling=SamplingParams(temperature=0.0)),
-                Request(engine.tokenize(PROMPT), max_tokens=100, sampling=hot, seed=12),
+                Request(engine.tokenize(PROMPT), max_tokens=40, sampling=SamplingParams(temperature=0.0)),
+                Request(engine.tokenize(PROMPT), max_tokens=40, sampling=hot, seed=12),
             ]
             outputs.append(generate_together(engine, requests))
         assert [text for text, _ in outputs[1]] == [text for text, _ in outputs[0]]
