@@ -46,7 +46,7 @@ import numpy as np
 from rbee_worker.benchmark.run import machine
 from rbee_worker.chat.tools import forced_grammar
 from rbee_worker.cpu_features import cpu_features
-from rbee_worker.engine.grammar import tokenizer_info
+from rbee_worker.engine.grammar import host_bitmask, tokenizer_info
 from rbee_worker.models.demo import demo_model_path
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
@@ -210,19 +210,27 @@ def sequences(tokenizer: Any, make: Callable[[random.Random], Any], eos: int, co
             for seed in range(count)]  # fmt: skip
 
 
+def bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """The worker's host bitmask (every token allowed), as the numpy array both engines fill."""
+    return host_bitmask(rows, vocab_size).numpy()
+
+
 def compile_ms(engine: Any, schema_: dict | None, vocab_size: int, repeats: int) -> float:
     times = []
+    mask = bitmask(1, vocab_size)
     for _ in range(repeats):
         started = time.perf_counter()
         matcher = engine.matcher(engine.compile(schema_))
-        engine.fill(matcher, np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32), 0)
+        engine.fill(matcher, mask, 0)
         times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times)
 
 
-def one_row(engine: Any, compiled: Any, tokens: list[int], width: int) -> tuple[float, float, float, list[np.ndarray]]:
+def one_row(
+    engine: Any, compiled: Any, tokens: list[int], vocab_size: int
+) -> tuple[float, float, float, list[np.ndarray]]:
     """A new matcher's time, then the fill and accept time per token over `tokens`, and the masks filled."""
-    bitmask = np.full((1, width), -1, dtype=np.int32)
+    mask = bitmask(1, vocab_size)
     started = time.perf_counter()
     matcher = engine.matcher(compiled)
     made = time.perf_counter() - started
@@ -230,27 +238,27 @@ def one_row(engine: Any, compiled: Any, tokens: list[int], width: int) -> tuple[
     masks = []
     for token in tokens:
         started = time.perf_counter()
-        engine.fill(matcher, bitmask, 0)
+        engine.fill(matcher, mask, 0)
         filled = time.perf_counter()
         if not engine.accept(matcher, token):
             raise RuntimeError(f"{engine.name} refused token {token} of a valid output")
         accept += time.perf_counter() - filled
         fill += filled - started
-        masks.append(bitmask[0].copy())
+        masks.append(mask[0].copy())
     return made, fill / len(tokens), accept / len(tokens), masks
 
 
-def batch(engine: Any, compiled: Any, rows: list[list[int]], width: int) -> tuple[float, float]:
+def batch(engine: Any, compiled: Any, rows: list[list[int]], vocab_size: int) -> tuple[float, float]:
     """Every row's matcher stepped together through its own tokens (a row leaves when its tokens end): fill and
     accept time per row and step."""
     matchers = [engine.matcher(compiled) for _ in rows]
-    bitmask = np.full((len(rows), width), -1, dtype=np.int32)
+    mask = bitmask(len(rows), vocab_size)
     fill = accept = 0.0
     row_steps = 0
     for step in range(max(map(len, rows))):
         active = [i for i, tokens in enumerate(rows) if step < len(tokens)]
         started = time.perf_counter()
-        engine.batch_fill([matchers[i] for i in active], bitmask, active)
+        engine.batch_fill([matchers[i] for i in active], mask, active)
         filled = time.perf_counter()
         accepted = engine.batch_accept([matchers[i] for i in active], [rows[i][step] for i in active])
         accept += time.perf_counter() - filled
@@ -262,7 +270,6 @@ def batch(engine: Any, compiled: Any, rows: list[list[int]], width: int) -> tupl
 
 
 def measure(engines: list, tokenizer: Any, vocab_size: int, args: argparse.Namespace) -> list[dict]:
-    width = (vocab_size + 31) // 32
     eos = tokenizer.eos_token_id
     rows = []
     for grammar, (schema_, make) in GRAMMARS.items():
@@ -270,9 +277,10 @@ def measure(engines: list, tokenizer: Any, vocab_size: int, args: argparse.Names
         masks: dict[str, list[list[np.ndarray]]] = {}
         for engine in engines:
             compiled = engine.compile(schema_)
-            runs = [one_row(engine, compiled, seqs[i], width) for i in range(args.repeats)]
+            runs = [one_row(engine, compiled, seqs[i], vocab_size) for i in range(args.repeats)]
             masks[engine.name] = [run[3] for run in runs]
-            batch_runs = [batch(engine, compiled, seqs[: args.batch], width) for _ in range(max(1, args.repeats // 2))]
+            repeats = max(1, args.repeats // 2)
+            batch_runs = [batch(engine, compiled, seqs[: args.batch], vocab_size) for _ in range(repeats)]
             rows.append({
                 "grammar": grammar,
                 "engine": engine.name,
