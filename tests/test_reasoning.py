@@ -187,7 +187,7 @@ def test_the_reasoning_parser_flag_reaches_the_engine_config() -> None:
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer: PreTrainedTokenizerBase) -> Iterator[Grammars]:
-    grammars = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    grammars = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}), timeout_s=10.0)
     yield grammars
     grammars.close()
 

@@ -104,7 +104,7 @@ def tokenizer(demo_gguf: Path):
 
 @pytest.fixture
 def grammars(tokenizer) -> Iterator[Grammars]:
-    grammars = Grammars(tokenizer, VOCAB, frozenset({EOS}))
+    grammars = Grammars(tokenizer, VOCAB, frozenset({EOS}), timeout_s=10.0)
     yield grammars
     grammars.close()
 

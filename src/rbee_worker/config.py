@@ -24,6 +24,7 @@ class WorkerConfig:
     model_ref: str | None  # the model name reported to clients; None: the loaded model's own name
     served_model_names: tuple[str, ...]  # --served-model-name: more names the OpenAI API answers to
     access_log: bool  # a log line for each HTTP request
+    max_request_bytes: int | None  # a larger request body gets 413; None: from the model (models/prompt_bound.py)
     drain_timeout_s: float  # on a stop request, how long running jobs may finish before they are cancelled
     stall_timeout_s: float  # an engine with work and no finished step for this long is unhealthy
     unclaimed_job_timeout_s: float  # a job API job whose stream nobody opens is cancelled after this

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rbee_worker import __version__
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.metrics import Metrics, metrics_router
-from rbee_worker.api.middleware import AccessLog, AuthAndCorrelation, JsonBodies
+from rbee_worker.api.middleware import AccessLog, AuthAndCorrelation, BodyLimit, JsonBodies
 from rbee_worker.api.native import native_router
 from rbee_worker.api.openai import openai_router
 from rbee_worker.api.state import WorkerState
@@ -66,6 +66,7 @@ def build_app(state: WorkerState, metrics: Metrics) -> FastAPI:
     app.include_router(openai_router(state))
     app.include_router(metrics_router(metrics))
     app.add_middleware(JsonBodies)
+    app.add_middleware(BodyLimit, limit=state.max_request_bytes)
     app.add_middleware(AuthAndCorrelation, token=state.config.api_token)
     app.add_middleware(AccessLog, metrics=metrics, log=state.config.access_log)  # the last added is the outermost
 
@@ -310,6 +311,7 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         progress.cancel()  # a load still running stops at its next tensor, so the engine thread can be joined
         if ranks is not None:  # first: an engine step waiting on a rank that is gone then fails rather than hangs
             ranks.close()
+        state.preparing.shutdown(wait=False, cancel_futures=True)
         engine.close()
     if failures:
         raise failures[0]

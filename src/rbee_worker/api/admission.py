@@ -1,5 +1,6 @@
 """Admission, one path for both HTTP APIs: refuse while draining or loading, compile the request's grammar (structured
-output), build the engine request, submit it.
+output), build the engine request off the event loop (`off_loop`: rendering a chat template and tokenizing take
+milliseconds to seconds, which would hold every stream), submit it.
 
 `admit` raises an `AdmissionError` subclass for every refusal; each API turns those into its own error shape in one
 place, a route class made by `rendering_route` (FastAPI's exception handlers are app-wide, and the two APIs answer
@@ -21,6 +22,7 @@ from rbee_worker.engine.grammar import CompiledGrammar, GrammarSpec
 from rbee_worker.engine.types import Request as EngineRequest
 
 E = TypeVar("E", bound=Exception)
+T = TypeVar("T")
 
 
 class AdmissionError(Exception):
@@ -91,15 +93,22 @@ async def compile_grammar(state: WorkerState, spec: GrammarSpec) -> CompiledGram
     return await asyncio.shield(asyncio.wrap_future(state.engine.grammars.compile(spec)))
 
 
-def admit(state: WorkerState, build: Callable[[], EngineRequest], http_request: Request) -> Job:
-    """Submit the request that `build` makes, once the worker takes requests; its events wait in the returned job,
-    whose id goes into `http_request.state.job_id`.
+async def off_loop(state: WorkerState, work: Callable[[], T]) -> T:
+    """`work()` on the worker's preparing threads, awaited: the event loop streams meanwhile. What it raises passes
+    through."""
+    return await asyncio.get_running_loop().run_in_executor(state.preparing, work)
+
+
+async def admit(state: WorkerState, build: Callable[[], EngineRequest], http_request: Request) -> Job:
+    """Submit the request that `build` makes off the event loop, once the worker takes requests; its events wait in
+    the returned job, whose id goes into `http_request.state.job_id`.
 
     `build` runs only on a loaded engine and may raise its API's own errors (an invalid body, say), which pass
     through. Raises Unhealthy, Draining, Loading, DuplicateJob or AllSlotsBusy; a refused request leaves nothing behind.
     """
     ensure_open(state)
-    request = build()
+    request = await off_loop(state, build)
+    ensure_open(state)  # a drain may have begun meanwhile
     if request.request_id in state.jobs:  # a job API job stays until its stream is read, even once generated
         raise DuplicateJob(request.request_id)
     try:

@@ -1,12 +1,13 @@
 """The worker's HTTP middleware, pure ASGI so that streaming responses pass through untouched: the access log and
-the count of refused requests, bearer-token auth and X-Correlation-ID (CONTRACT.md §2, "Auth and tracing"), and JSON
-bodies whatever their Content-Type."""
+the count of refused requests, bearer-token auth and X-Correlation-ID (CONTRACT.md §2, "Auth and tracing"), the
+request body's size limit, and JSON bodies whatever their Content-Type."""
 
 import hmac
 import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,6 +15,7 @@ from rbee_worker.api.metrics import Metrics, refusal_reason
 
 CORRELATION_HEADER = b"x-correlation-id"
 CONTENT_TYPE_HEADER = b"content-type"
+CONTENT_LENGTH_HEADER = b"content-length"
 JSON_CONTENT_TYPE = b"application/json"
 
 access_log = logging.getLogger("rbee_worker.access")
@@ -76,6 +78,71 @@ class AccessLog:
         access_log.info(
             "%s %s %d %.1f ms", scope["method"], scope["path"], status, seconds * 1000, extra={"fields": fields}
         )
+
+
+class BodyLimit:
+    """A request whose body is over `limit()` bytes (None: no limit) gets 413 before any of it is parsed: at once by its
+    Content-Length, or once that many bytes of a body sent without one have arrived (such a body is read here, then
+    handed on whole). The rest of a refused body is read and dropped first, so that a client still sending it reads
+    the answer rather than a reset connection."""
+
+    def __init__(self, app: ASGIApp, limit: Callable[[], int | None]) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.limit() if scope["type"] == "http" else None
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(CONTENT_LENGTH_HEADER)
+        if declared is not None and declared.strip().isdigit():  # the server reads exactly that many bytes
+            if int(declared) > limit:
+                await drain(receive)
+                await refuse_large(send, limit, int(declared))
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more and size <= limit:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+        if size > limit:
+            if more:
+                await drain(receive)
+            await refuse_large(send, limit, None)
+            return
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal whole
+            if whole is None:
+                return await receive()  # after the body: a disconnect
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+
+async def drain(receive: Receive) -> None:
+    """Read the rest of a request's body, dropping it."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+async def refuse_large(send: Send, limit: int, size: int | None) -> None:
+    """413 in the error shape both APIs share (server.py's http_error); `size`: the body's, when it was declared."""
+    has = "more" if size is None else f"{size} bytes, more"
+    message = f"the request body has {has} than the {limit} bytes this worker takes (--max-request-bytes)"
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": "REQUEST_TOO_LARGE"}
+    await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", JSON_CONTENT_TYPE)]})
+    await send({"type": "http.response.body", "body": json.dumps({"error": error}).encode()})
 
 
 class JsonBodies:

@@ -30,6 +30,7 @@ from rbee_worker.api.admission import (
     admit,
     compile_grammar,
     ensure_open,
+    off_loop,
     rendering_route,
 )
 from rbee_worker.api.native_schema import (
@@ -228,9 +229,12 @@ async def admit_job(state: WorkerState, http_request: Request, *, require_job_id
         prompt_ids = state.engine.tokenize(prompt)
         return len(prompt_ids)
 
-    ensure_open(state)  # validation tokenizes with the loaded model's tokenizer
-    parsed = parse_job_request(
-        body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=state.engine.context_length
+    ensure_open(state)  # validation tokenizes with the loaded model's tokenizer, off the event loop
+    parsed = await off_loop(
+        state,
+        lambda: parse_job_request(
+            body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=state.engine.context_length
+        ),
     )
     if not isinstance(parsed, JobRequest):
         raise InvalidJob(parsed)
@@ -248,7 +252,7 @@ async def admit_job(state: WorkerState, http_request: Request, *, require_job_id
             grammar=grammar,
         )
 
-    return admit(state, build, http_request)
+    return await admit(state, build, http_request)
 
 
 async def job_grammar(state: WorkerState, schema: dict | None) -> CompiledGrammar | None:

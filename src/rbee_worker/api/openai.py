@@ -5,7 +5,9 @@ Bodies are validated by the pydantic models of openai_schema.py; every error has
 `{"error": {"message", "type", "param", "code"}}`: routes raise ApiError or a refusal of api/admission.py, and
 `openai_error` answers both (the validation handler in server.py answers invalid bodies). A `response_format` grammar
 is compiled before the job is submitted (awaited, off the event loop: see Engine.grammars), so a schema that does not
-compile is a 400 naming `response_format` before any work.
+compile is a 400 naming `response_format` before any work. Chat templates are rendered and prompts tokenized off the
+event loop too (admission.off_loop), and a prompt text too long for the context whatever its tokens is refused before
+it is tokenized (`check_fits`).
 """
 
 import asyncio
@@ -32,6 +34,7 @@ from rbee_worker.api.admission import (
     admit,
     compile_grammar,
     ensure_open,
+    off_loop,
     rendering_route,
 )
 from rbee_worker.api.api_error import ApiError
@@ -108,12 +111,12 @@ def openai_router(state: WorkerState) -> APIRouter:
 
         def build() -> EngineRequest:
             check_model(state, body.model)
-            prompt_ids = completion_prompt(state, body.prompt)
+            prompt_ids = completion_prompt(state, body.prompt, body.max_tokens)
             return engine_request(
                 state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl", grammar
             )
 
-        job = admit(state, build, http_request)
+        job = await admit(state, build, http_request)
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
 
         def chunk(piece: Generation, end: End | None) -> dict:
@@ -148,11 +151,13 @@ def openai_router(state: WorkerState) -> APIRouter:
             nonlocal prompt_ids
             check_model(state, body.model)
             messages = [m.for_template() for m in body.messages]
-            prompt_ids = render_chat(state, messages, tools=tools, template_kwargs=body.chat_template_kwargs)
+            prompt_ids = render_chat(
+                state, messages, tools=tools, template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit
+            )
             request = engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar)
             return dataclasses.replace(request, reasoning=state.engine.reasoning)
 
-        job = admit(state, build, http_request)
+        job = await admit(state, build, http_request)
         base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
         reasoning = state.engine.reasoning  # admitted: the engine is loaded
         output = ChatOutput(
@@ -218,19 +223,23 @@ def openai_router(state: WorkerState) -> APIRouter:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ensure_open(state)
         check_model(state, body.model)
-        if body.messages is not None:
-            tokens = render_chat(state, [m.for_template() for m in body.messages], body.add_generation_prompt)
-        else:
-            tokens = state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        context = state.engine.context_length
-        return TokenizeResponse(count=len(tokens), max_model_len=context, tokens=list(tokens))
+
+        def tokens() -> tuple[int, ...]:
+            if body.messages is not None:
+                messages = [m.for_template() for m in body.messages]
+                return render_chat(state, messages, body.add_generation_prompt, max_tokens=0)
+            check_fits(state, body.prompt or "", 0, "prompt")
+            return state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
+
+        ids = await off_loop(state, tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=state.engine.context_length, tokens=list(ids))
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ensure_open(state)
         check_model(state, body.model)
         ids = check_token_ids(state, body.tokens, "tokens", allow_empty=True)
-        return DetokenizeResponse(prompt=state.engine.detokenize(ids))
+        return DetokenizeResponse(prompt=await off_loop(state, lambda: state.engine.detokenize(ids)))
 
     return router
 
@@ -283,13 +292,15 @@ def check_model(state: WorkerState, model: str | None) -> None:
         )
 
 
-def completion_prompt(state: WorkerState, prompt: str | list[str] | list[int]) -> tuple[int, ...]:
+def completion_prompt(
+    state: WorkerState, prompt: str | list[str] | list[int], max_tokens: int | None
+) -> tuple[int, ...]:
     """The token ids of a completion's prompt: a text (alone or the first of a list, which must hold one), or ids."""
-    if isinstance(prompt, str):
-        return state.engine.tokenize(prompt)
-    if isinstance(prompt[0], str):
-        return state.engine.tokenize(prompt[0])
-    return check_token_ids(state, prompt, "prompt")
+    if isinstance(prompt, list) and not isinstance(prompt[0], str):
+        return check_token_ids(state, prompt, "prompt")
+    text = prompt if isinstance(prompt, str) else prompt[0]
+    check_fits(state, text, max_tokens or 1, "prompt")
+    return state.engine.tokenize(text)
 
 
 def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_empty: bool = False) -> tuple[int, ...]:
@@ -307,12 +318,39 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    *,
+    max_tokens: int | None,
 ) -> tuple[int, ...]:
+    """The chat prompt's token ids; its text is refused before it is tokenized when it cannot leave room for
+    `max_tokens` (None: one token)."""
+    loaded = state.engine.loaded
     try:
-        return state.engine.tokenize_chat(messages, add_generation_prompt, tools, template_kwargs)
+        prompt = loaded.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)
     # e.g. a template that demands alternating user/assistant turns, or adds text to a missing content (TypeError)
     except (TemplateError, ValueError, TypeError) as exc:
         raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+    check_fits(state, prompt, 1 if max_tokens is None else max_tokens, "messages")
+    return loaded.tokenize(prompt, add_special_tokens=False)  # the template writes BOS and the other special tokens
+
+
+def check_fits(state: WorkerState, text: str, room: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt text too long to leave `room` tokens of the context whatever its tokens
+    are (models/prompt_bound.py): a megabyte prompt is refused at once instead of after seconds of tokenizing."""
+    bound = state.engine.loaded.prompt_bound
+    if bound is None or (least := bound.least_tokens(text)) + room <= state.engine.context_length:
+        return
+    asked = f"at least {least} in the prompt" + (f" + {room} to generate" if room > 1 else "")
+    asked += f": the prompt has {bound.size(text)} {bound.unit}, and no token stands for more than {bound.per_token}"
+    raise context_exceeded(state.engine.context_length, asked, param)
+
+
+def context_exceeded(context: int, asked: str, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"This model's maximum context length is {context} tokens; the request needs more ({asked}). "
+        "Shorten the prompt or lower max_tokens.",
+        param=param,
+    )
 
 
 def engine_request(
@@ -331,12 +369,7 @@ def engine_request(
     room = context - len(prompt_ids)
     if room < (max_tokens or 1):
         asked = f"{len(prompt_ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {context} tokens; the request needs more ({asked}). "
-            "Shorten the prompt or lower max_tokens.",
-            param="max_tokens" if max_tokens else "messages",
-        )
+        raise context_exceeded(context, asked, "max_tokens" if max_tokens else "messages")
     return EngineRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens or room,

@@ -2,12 +2,18 @@
 
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rbee_worker.config import WorkerConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.types import Event
 from rbee_worker.models.progress import LoadProgress
+from rbee_worker.models.prompt_bound import request_bytes_limit
+
+# Threads that prepare requests (parse, render the chat template, tokenize) off the event loop. The tokenizer releases
+# the GIL while it encodes, so preparations run beside the streams and beside each other.
+PREPARE_THREADS = 4
 
 
 @dataclass
@@ -33,6 +39,18 @@ class WorkerState:
     started_at: int = field(default_factory=lambda: int(time.time()))  # Unix time: /v1/models' `created`
     jobs: dict[str, Job] = field(default_factory=dict)  # job API jobs whose stream is not yet read to the end
     open_streams: int = 0  # SSE job streams being written
+    preparing: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="rbee-prepare")
+    )
+
+    def max_request_bytes(self) -> int | None:
+        """The largest request body taken: --max-request-bytes, else, once the model is loaded, the largest body of a
+        request whose prompt fits the context (models/prompt_bound.py); None (no limit) while it loads."""
+        if self.config.max_request_bytes is not None:
+            return self.config.max_request_bytes
+        if not self.engine.is_loaded:
+            return None
+        return request_bytes_limit(self.engine.loaded.prompt_bound, self.engine.context_length)
 
     @property
     def model_ref(self) -> str:

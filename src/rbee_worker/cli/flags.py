@@ -220,6 +220,14 @@ def build_parser() -> Parser:
         "the reasoning stays in content",
     )
     jobs.add_argument(
+        "--grammar-compile-timeout",
+        type=bounded(float, 0.0, low_open=True),
+        default=10.0,
+        metavar="SECONDS",
+        help="a response_format or tool-call grammar that takes longer to compile is refused with a 400 naming its "
+        "field, and its compilation stopped (default 10)",
+    )
+    jobs.add_argument(
         "--drain-timeout",
         type=bounded(float, 0.0),
         default=30.0,
@@ -302,6 +310,15 @@ def build_parser() -> Parser:
     )
     http.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no log line for each HTTP request"
+    )
+    http.add_argument(
+        "--max-request-bytes",
+        type=bounded(int, 1),
+        default=None,
+        metavar="BYTES",
+        help="a larger request body gets 413 before it is read (default: the largest body a request whose prompt fits "
+        "the context can have: context x the most bytes one token stands for x 6, JSON's longest escape of a byte, "
+        "+ 1 MiB for the other fields; 64 MiB for a tokenizer whose tokens have no such bound)",
     )
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=bounded(int, 0, 65535), default=8080, help="0 picks a free port")

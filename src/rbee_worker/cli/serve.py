@@ -62,6 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_ref=args.model_ref,
         served_model_names=tuple(args.served_model_name),
         access_log=args.access_log,
+        max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
         unclaimed_job_timeout_s=args.unclaimed_job_timeout,
@@ -207,6 +208,7 @@ def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineCo
         compile_model=compile_model(placement, args),
         threads=threads,
         reasoning_parser=args.reasoning_parser,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
 
 

@@ -19,6 +19,7 @@ class EngineConfig:
     threads: int | None = None  # CPU threads of the forward; None: the physical cores (on torch: its own default)
     # "auto": a reasoning model's format detected from its chat template (Engine.reasoning); "none": no format.
     reasoning_parser: str = "auto"
+    grammar_compile_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused, its compile stopped
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0:
@@ -29,5 +30,7 @@ class EngineConfig:
             raise ValueError("block_size must be at least 1")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be at least 1")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be positive")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")

@@ -208,7 +208,12 @@ class Engine:
         assert runner is not None
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(loaded.tokenizer, runner.vocab_size, loaded.info.eos_token_ids)
+                self._grammars = Grammars(
+                    loaded.tokenizer,
+                    runner.vocab_size,
+                    loaded.info.eos_token_ids,
+                    self.config.grammar_compile_timeout_s,
+                )
             return self._grammars
 
     def submit(self, request: Request, sink: Sink) -> None:

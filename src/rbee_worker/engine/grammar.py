@@ -3,10 +3,11 @@ xgrammar, the grammar engine vLLM and SGLang use by default, against the model's
 constrained row's mask several times faster than llguidance, vLLM's other engine, which a step of many constrained
 rows needs; llguidance compiles faster, which the cache below hides (bench/grammar_engines.py measures both).
 
-- `GrammarSpec` says what a request asks for; `Grammars.compile` compiles it on a small thread pool of its own, never
-  on the engine thread or an event loop, and keeps the result by spec (least recently used out past CACHE_BYTES), so
-  the same schema compiles once. xgrammar is imported at the first compilation: a worker that never constrains a
-  request does not load it.
+- `GrammarSpec` says what a request asks for; `Grammars.compile` compiles it in a child process
+  (engine/grammar_processes.py: one past its time limit is stopped), waited for on a small thread pool of its own,
+  never on the engine thread or an event loop, and keeps the result by spec (least recently used out past
+  CACHE_BYTES), so the same schema compiles once. xgrammar is imported at the first compilation: a worker that never
+  constrains a request does not load it.
 - A request's `Matcher` follows its tokens: before each of its tokens is sampled, it writes the tokens its grammar
   allows into the request's row of a bitmask of the sampler's layout (SamplerState.set_mask: int32 words,
   ceil(vocab / 32) per row, bit b of word j for token 32 * j + b, which is xgrammar's own layout), and it accepts
@@ -39,12 +40,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rbee_worker.chat.reasoning import ReasoningFormat, opens_reasoning_ids
+from rbee_worker.engine.grammar_processes import CompileFailed, CompilerProcesses, CompileTimeout
 
 if TYPE_CHECKING:
     import xgrammar
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept, by xgrammar's measure of their size
-COMPILE_THREADS = 2  # grammars compiled at once, each on one thread: the model's forward keeps the other cores
+COMPILE_PROCESSES = 2  # grammars compiled at once, each by a process of its own on one thread
 # xgrammar's error messages start with a time and a source location: "[18:29:56] /project/cpp/x.cc:5082: ".
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -238,12 +240,16 @@ def _batch_matcher() -> "xgrammar.BatchGrammarMatcher":
 class Grammars:
     """Compiles grammars for one model's tokenizer, off the caller's thread, and keeps them by spec."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: frozenset[int]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: frozenset[int], timeout_s: float
+    ) -> None:
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
-        self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rbee-grammar")
+        self._timeout_s = timeout_s  # a compilation's limit
+        self._executor = ThreadPoolExecutor(COMPILE_PROCESSES, thread_name_prefix="rbee-grammar")
         self._lock = threading.Lock()  # the cache and the stats (held briefly: callers include the event loop)
         self._compiler_lock = threading.Lock()
-        self._compiler: xgrammar.GrammarCompiler | None = None  # made by the first compilation
+        # Made by the first compilation: xgrammar's view of the tokenizer, and the processes that compile against it.
+        self._compiler: tuple[xgrammar.TokenizerInfo, CompilerProcesses] | None = None
         self._cache: collections.OrderedDict[GrammarSpec, Future[CompiledGrammar]] = collections.OrderedDict()
         self._sizes: dict[GrammarSpec, int] = {}  # of the compiled entries of _cache
         self.stats = GrammarStats()
@@ -270,6 +276,9 @@ class Grammars:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._compiler_lock:
+            if self._compiler is not None:
+                self._compiler[1].close()
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         started = time.perf_counter()
@@ -294,22 +303,24 @@ class Grammars:
         return grammar
 
     def _compile_spec(self, spec: GrammarSpec) -> "xgrammar.CompiledGrammar":
-        compiler = self._compiler_once()
+        import xgrammar
+
+        info, processes = self._compiler_once()
         schema = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
         try:
-            return compiler.compile_json_schema(schema, any_whitespace=False)
-        except RuntimeError as exc:  # xgrammar reports every schema problem so
+            compiled = processes.compile(schema, self._timeout_s)
+        except CompileTimeout as exc:
+            raise GrammarError(f"the JSON schema {exc}") from None
+        except CompileFailed as exc:
             reason = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[0])
             raise GrammarError(f"the JSON schema cannot be compiled: {reason}") from None
+        return xgrammar.CompiledGrammar.deserialize_json(compiled, info)
 
-    def _compiler_once(self) -> "xgrammar.GrammarCompiler":
+    def _compiler_once(self) -> "tuple[xgrammar.TokenizerInfo, CompilerProcesses]":
         with self._compiler_lock:
             if self._compiler is None:
-                import xgrammar
-
                 info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_ids)
-                # The cache here is this class's (it counts hits); each compilation on one thread (COMPILE_THREADS).
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._compiler = info, CompilerProcesses(info.serialize_json(), COMPILE_PROCESSES)
             return self._compiler
 
     def _evict(self) -> None:

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from rbee_worker.chat.tool_prompt import TemplateCaps, probe_caps, template_messages
 from rbee_worker.chat.tools import ToolFormat, tool_format
 from rbee_worker.devices import tensor_bytes
+from rbee_worker.models.prompt_bound import PromptBound, prompt_bound
 
 if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
     from rbee_worker.models.llama_cpp_model import LlamaCppModel
@@ -66,6 +67,11 @@ class LoadedModel:
         # The template writes BOS and the other special tokens itself, so none are added again.
         prompt = self.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)
         return self.tokenize(prompt, add_special_tokens=False)
+
+    @functools.cached_property
+    def prompt_bound(self) -> PromptBound | None:
+        """How much text one token can stand for at most (models/prompt_bound.py); None: no bound."""
+        return prompt_bound(self.tokenizer)
 
     @functools.cached_property
     def template_caps(self) -> TemplateCaps:
