@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import RUNTIMES, cli
 
+from rbee_worker.cpu_features import cpu_features
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 
@@ -98,8 +99,10 @@ def test_kv_cache_is_sized_for_the_one_request(runtime: str) -> None:
     assert summary, result.stderr
     prompt_tokens, kv_mib, context = int(summary[1]), float(summary[2]), int(summary[3])
     assert context == prompt_tokens + max_tokens
-    # The demo's keys and values: 30 layers x 3 KV heads x 64 x 2, in F16 on llama.cpp, float32 on a CPU's torch.
-    bytes_per_token = 30 * 3 * 64 * 2 * (2 if runtime == "llama.cpp" else 4)
+    # The demo's keys and values: 30 layers x 3 KV heads x 64 x 2, in F16 on llama.cpp, on torch in the CPU's
+    # `--dtype auto` (bfloat16 where it computes bfloat16 natively, float32 elsewhere).
+    element = 2 if runtime == "llama.cpp" else cpu_features().auto_dtype.itemsize
+    bytes_per_token = 30 * 3 * 64 * 2 * element
     held_tokens = 256 if runtime == "llama.cpp" else (1 + -(-context // 16)) * 16
     assert kv_mib == round(held_tokens * bytes_per_token / 2**20, 1), result.stderr
 

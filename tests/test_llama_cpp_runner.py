@@ -70,9 +70,9 @@ def test_token_ids_fed_equal_llama_cpps_own_tokenizer(engine: Engine, llm) -> No
 
 
 def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> None:
-    """Weights: llama_model_size. KV cache: the unified pool of the block pool's size (or llama.cpp's rounding up of
-    it) allocated at start, at the bytes per token of a finished request's sequence state as llama.cpp saves it into
-    the prompt cache (less its per-cell bookkeeping)."""
+    """Weights: llama_model_size. KV cache: the block pool's size (here a stream per sequence; or llama.cpp's rounding
+    up of it) allocated at start, at the bytes per token of a finished request's sequence state as llama.cpp saves it
+    into the prompt cache (less its per-cell bookkeeping)."""
     runner = engine._runner
     assert engine.loaded.info.weight_bytes == native.llama_model_size(runner.model.handle)
     assert 80_000_000 < engine.loaded.info.weight_bytes < 120_000_000  # the Q4_1 file's matrices as they are

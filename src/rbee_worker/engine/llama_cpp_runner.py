@@ -1,10 +1,13 @@
 """The model runner on llama.cpp's runtime (llama-cpp-python's low-level API), for GGUF files on a CPU or a Mac.
 
 llama.cpp holds the weights, the KV cache and the forward; the engine keeps everything else (scheduler, sampler,
-detokenizer, events). One `llama_context` serves every batch row: its KV cache is one unified pool of cells that
-every sequence draws on (`kv_unified`; in deterministic mode a stream per sequence), as large as the scheduler's
-block pool, so one request may hold the whole context while others are short; sequence id = batch row. The
-scheduler's block tables account for the cells (a request holds at most its blocks' positions), and llama.cpp
+detokenizer, events). One `llama_context` serves every batch row; sequence id = batch row. Its KV cache is a stream of
+cells per sequence, each as long as the context offered, where the scheduler's block pool holds every row's whole
+context (the default, and always in deterministic mode, where the context shrinks to a row's share instead): in one
+unified pool, llama.cpp runs each sequence's attention over every sequence's cells (masked), a cost that grows with
+the other sequences' lengths (bench/results/README.md, issue 49). A smaller pool is one unified pool of
+cells that every sequence draws on (`kv_unified`), so one request may hold the whole context while others are short.
+The scheduler's block tables account for the cells (a request holds at most its blocks' positions), and llama.cpp
 places them itself. A step is one `llama_batch` with every row of the round, prompt chunks (their tokens, logits on
 the last one only when the chunk ends the prompt) and decode rows (one token each), and one `llama_decode`. The rows'
 logits are read where llama.cpp wrote them, as one [rows, vocab] tensor without a copy, and sampled by the worker's
@@ -13,10 +16,11 @@ own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly
 Prefix reuse: llama.cpp places the cells, so the block pool cannot be the prefix cache here. When a request ends, its
 sequence's state (keys and values of the tokens it holds) is saved to a host-memory cache (engine/prompt_cache.py,
 as llama-server's `--cache-ram`) and its cells go back; at a prompt's first chunk (`reuse`), the saved state sharing
-the longest prefix with the prompt is restored into the row's sequence and cut to that prefix, or, in a unified pool,
-a running request's sequence gives its cells for the prefix (`llama_memory_seq_cp` shares them, nothing is copied).
-Saved states hold no cells: cells left to ended sequences would take room that the block pool does not account for,
-and in a unified pool llama.cpp's attention sums depend on the cells every other sequence holds.
+the longest prefix with the prompt is restored into the row's sequence and cut to that prefix, or a running request's
+sequence gives its cells for the prefix (in a unified pool `llama_memory_seq_cp` shares them; across streams its
+state is copied, as a saved one is restored). Saved states hold no cells: cells left to ended sequences would take
+room that the block pool does not account for, and in a unified pool llama.cpp's attention sums depend on the cells
+every other sequence holds.
 
 A reused prefix gives a fresh run's logits (the same greedy text with the cache on and off) when two things hold.
 The rest of the prompt runs in batches of UNIFORM_ROWS tokens or more, as a fresh run's chunks over those positions
@@ -93,12 +97,12 @@ class LlamaCppRunner:
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else kv_budget(CPU)
         context, per_token = loaded.info.context_length, model.kv_bytes_per_token
         self.kv: KvGeometry = kv_pool(context, per_token, config.block_size, budget, rows, shared_blocks=False)
-        # In deterministic mode each sequence has a stream of cells of its own, as long as the context offered: in a
-        # unified pool, attention runs over cells that other sequences hold too (masked), and its sums then depend on
-        # what else runs.
-        unified = not config.deterministic
+        # A stream of cells per sequence where each row's whole context fits (see the module docstring), and always in
+        # deterministic mode, with the context cut to a row's share: in a unified pool, attention runs over cells that
+        # other sequences hold too (masked), and its sums then depend on what else runs.
+        per_row = min(self.kv.context, self.kv.tokens // rows // config.block_size * config.block_size)
+        unified = not config.deterministic and per_row < self.kv.context
         if not unified:
-            per_row = min(self.kv.context, self.kv.tokens // rows // config.block_size * config.block_size)
             self.kv = dataclasses.replace(self.kv, context=per_row)
         self.threads = config.threads or psutil.cpu_count(logical=False) or 1
         self.capacity = config.prefill_chunk + rows  # the most tokens one step feeds: a round's chunks and decodes
@@ -159,9 +163,9 @@ class LlamaCppRunner:
         self.sampling.masks(rows)
 
     def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """The longest prefix of `token_ids[:limit]` that a saved state or (unified pool) a running request's sequence
-        holds, given to the row's sequence (emptied first: a request looked up again after waiting for blocks); 0 when
-        none holds a block's worth."""
+        """The longest prefix of `token_ids[:limit]` that a saved state or (but in deterministic mode) a running
+        request's sequence holds, given to the row's sequence (emptied first: a request looked up again after waiting
+        for blocks); 0 when none holds a block's worth."""
         if not self.reusing:
             return 0
         self._clear(row)
@@ -169,21 +173,19 @@ class LlamaCppRunner:
         found, key = self.prompts.longest(wanted)
         exact = min(found, self.prompts.exact(key)) if key is not None else 0
         source = None
-        if self._unified:  # the longest prefix; among equal ones, an exact one
+        if not self.config.deterministic:  # the longest prefix; among equal ones, an exact one
             for other, held in enumerate(self._held):
                 shared = common_prefix(held, wanted)
                 if other != row and (shared, min(shared, self._exact[other])) > (found, exact):
                     found, exact, source = shared, min(shared, self._exact[other]), other
         if found < self.kv.block_size:
             return 0
-        if source is not None:
+        if source is not None and self._unified:
             native.llama_memory_seq_cp(self._memory, source, row, 0, found)
         else:
-            assert key is not None
-            state = self.prompts.take(key)
-            buffer = (ctypes.c_ubyte * len(state)).from_buffer(state)
-            if native.llama_state_seq_set_data(self._context, buffer, len(state), row) != len(state):
-                log.warning("llama.cpp could not restore a saved prompt state; computing the prompt whole")
+            state = self._state(source) if source is not None else self.prompts.take(key)  # type: ignore[arg-type]
+            if not self._restore(row, state):
+                log.warning("llama.cpp could not restore a prompt state; computing the prompt whole")
                 self._clear(row)
                 return 0
             native.llama_memory_seq_rm(self._memory, row, found, -1)
@@ -205,12 +207,23 @@ class LlamaCppRunner:
             keep = min(keep, prompt - prompt % self.config.prefill_chunk)
         if self.reusing and not self._broken and keep >= self.kv.block_size and not self.prompts.covers(held[:keep]):
             native.llama_memory_seq_rm(self._memory, row, keep, -1)
-            size = native.llama_state_seq_get_size(self._context, row)
-            state = bytearray(size)
-            buffer = (ctypes.c_ubyte * size).from_buffer(state)
-            if native.llama_state_seq_get_data(self._context, buffer, size, row) == size:
+            if state := self._state(row):
                 self.prompts.insert(held[:keep], state, self._exact[row])
         self._clear(row)
+
+    def _restore(self, row: int, state: bytearray) -> bool:
+        """A sequence state (`_state`'s) into the row's sequence."""
+        if not state:
+            return False
+        buffer = (ctypes.c_ubyte * len(state)).from_buffer(state)
+        return native.llama_state_seq_set_data(self._context, buffer, len(state), row) == len(state)
+
+    def _state(self, row: int) -> bytearray:
+        """The row's sequence state as llama.cpp saves it (its cells' keys and values); empty if it cannot."""
+        size = native.llama_state_seq_get_size(self._context, row)
+        state = bytearray(size)
+        buffer = (ctypes.c_ubyte * size).from_buffer(state)
+        return state if native.llama_state_seq_get_data(self._context, buffer, size, row) == size else bytearray()
 
     def _cut(self, row: int, start: int) -> None:
         """The row's sequence before a prompt chunk at `start`: what it holds from `start` on goes (a prefix that
