@@ -827,3 +827,13 @@ def test_cpu_penalties_touch_only_seen_tokens_and_equal_the_full_float32_computa
         got = sampler._penalized(x, state, slots)
         assert got.dtype == torch.float32
         assert torch.equal(got.view(torch.int32), full.view(torch.int32))
+
+
+def test_one_rows_uniform_number_in_python_integers_is_the_tensors() -> None:
+    """_draw_bits_of (the host draw's, one row in Python integers) gives _draw_bits' number for any stream and
+    counter, the wrap-around of int64 arithmetic included."""
+    generator = np.random.default_rng(3)
+    streams = generator.integers(-(2**63), 2**63 - 1, size=500, dtype=np.int64)
+    counters = generator.integers(0, 2**40, size=500, dtype=np.int64)
+    expected = sampler._draw_bits(streams, counters).tolist()
+    assert [sampler._draw_bits_of(int(s), int(c)) for s, c in zip(streams, counters, strict=True)] == expected

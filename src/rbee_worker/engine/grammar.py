@@ -206,13 +206,13 @@ def accept_tokens(matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bo
     threads: each xgrammar call releases the GIL, and a thread that wants it back waits behind the HTTP server's event
     loop, which holds it for most of a step when many streams are served (bench/results/README.md); should that call
     raise, one row at a time, so that a failure is its row's alone."""
-    import xgrammar
-
     outside = [matcher.accept_outside_grammar(token) for matcher, token in zip(matchers, tokens, strict=True)]
     results: list[bool | Exception] = [result or False for result in outside]
     inside = [i for i, result in enumerate(outside) if result is None]
     if not inside:
-        return results
+        return results  # every step of unconstrained rows: xgrammar stays unloaded
+    import xgrammar
+
     handles = [matchers[i]._matcher for i in inside]
     accepted: list[bool | Exception]
     try:

@@ -43,12 +43,13 @@ import logging
 from collections.abc import Sequence
 
 import llama_cpp.llama_cpp as native
+import numpy as np
 import psutil
 import torch
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.grammar import Matcher
-from rbee_worker.engine.prompt_cache import PromptCache, common_prefix
+from rbee_worker.engine.prompt_cache import PromptCache, State, common_prefix
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampling import SamplingParams
@@ -207,23 +208,25 @@ class LlamaCppRunner:
             keep = min(keep, prompt - prompt % self.config.prefill_chunk)
         if self.reusing and not self._broken and keep >= self.kv.block_size and not self.prompts.covers(held[:keep]):
             native.llama_memory_seq_rm(self._memory, row, keep, -1)
-            if state := self._state(row):
+            if (state := self._state(row)).size:
                 self.prompts.insert(held[:keep], state, self._exact[row])
         self._clear(row)
 
-    def _restore(self, row: int, state: bytearray) -> bool:
+    def _restore(self, row: int, state: State) -> bool:
         """A sequence state (`_state`'s) into the row's sequence."""
-        if not state:
+        if not state.size:
             return False
         buffer = (ctypes.c_ubyte * len(state)).from_buffer(state)
         return native.llama_state_seq_set_data(self._context, buffer, len(state), row) == len(state)
 
-    def _state(self, row: int) -> bytearray:
-        """The row's sequence state as llama.cpp saves it (its cells' keys and values); empty if it cannot."""
+    def _state(self, row: int) -> State:
+        """The row's sequence state as llama.cpp saves it (its cells' keys and values); empty if it cannot. The buffer
+        is not zeroed (prompt_cache.State): llama.cpp writes it, with the GIL released."""
         size = native.llama_state_seq_get_size(self._context, row)
-        state = bytearray(size)
+        state = np.empty(size, dtype=np.uint8)
         buffer = (ctypes.c_ubyte * size).from_buffer(state)
-        return state if native.llama_state_seq_get_data(self._context, buffer, size, row) == size else bytearray()
+        ok = native.llama_state_seq_get_data(self._context, buffer, size, row) == size
+        return state if ok else state[:0]
 
     def _cut(self, row: int, start: int) -> None:
         """The row's sequence before a prompt chunk at `start`: what it holds from `start` on goes (a prefix that

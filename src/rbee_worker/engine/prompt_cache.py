@@ -11,6 +11,11 @@ already extends only refreshes that entry.
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
+# A saved state: its bytes (uint8), allocated without zeroing: a bytearray of a long sequence's state (hundreds of MB)
+# is zeroed with the GIL held, which stalls every other thread (the HTTP server's) for as long.
+State = np.ndarray
 MATCH_STRIDE = 64  # tokens compared at once (as tuple slices) while finding a common prefix
 
 
@@ -28,7 +33,7 @@ class PromptCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self.bytes = 0
-        self._entries: OrderedDict[tuple[int, ...], bytearray] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[tuple[int, ...], State] = OrderedDict()  # least recently used first
         self._exact: dict[tuple[int, ...], int] = {}  # each entry's exact first positions
 
     def __len__(self) -> int:
@@ -49,7 +54,7 @@ class PromptCache:
         """How many first positions of an entry are exact."""
         return self._exact[key]
 
-    def take(self, key: tuple[int, ...]) -> bytearray:
+    def take(self, key: tuple[int, ...]) -> State:
         """The saved state of an entry found by `longest`, now the most recently used."""
         self._entries.move_to_end(key)
         return self._entries[key]
@@ -63,7 +68,7 @@ class PromptCache:
                 return True
         return False
 
-    def insert(self, token_ids: Sequence[int], state: bytearray, exact: int | None = None) -> None:
+    def insert(self, token_ids: Sequence[int], state: State, exact: int | None = None) -> None:
         """A new entry, the most recently used, its first `exact` positions exact (None: all); the entries it extends
         go, then the least recently used ones while the cache holds more than its budget. A state larger than the
         whole budget is not kept."""

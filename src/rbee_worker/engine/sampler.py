@@ -56,12 +56,14 @@ _EXP_FLOOR = -64.0
 # nucleus (top_p 0.9) in nearly every row, the second top_k 50 in most, the third nearly every token of nonzero weight;
 # the rows no floor covers are drawn by the radix select.
 _CANDIDATE_FLOORS = (-8.0, -16.0, -24.0)
+_WEIGHTLESS = -28.0  # a scaled logit below this has weight 0: exp(-28) * 2**40 < 0.8 (_draw_on_host)
 _IN_PROMPT = 1 << 30  # SamplerState.counts: this bit marks a prompt token, the bits below count generated ones
 _FLOAT32 = torch.finfo(torch.float32)
 # SplitMix64 (Steele, Lea, Flood 2014), as signed 64-bit constants: torch's int64 multiplication wraps.
 _GAMMA = 0x9E3779B97F4A7C15 - 2**64
 _MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX_2 = 0x94D049BB133111EB - 2**64
+_MASK_64 = 2**64 - 1
 Int64s = TypeVar("Int64s", torch.Tensor, np.ndarray)  # SplitMix64's operands: int64 tensors or numpy arrays
 
 
@@ -265,39 +267,52 @@ def _draw_on_host(
     features: SamplerFeatures,
 ) -> torch.Tensor:
     """The tokens `_draw(_kept_weights(...))` gives, drawn row by row on the host over numpy views of the tensors (a
-    CPU's): rows with top-k or top-p from their candidates (selection.candidate_draw, each floor in turn), the radix
-    select for the rows no floor covers; other rows by the inverse CDF over the whole row. Greedy and invalid rows
-    get 0 (`sample` takes the argmax for greedy rows). The slots' parameters and uniform numbers come through numpy
-    too: a few rows' worth of tensor operations cost more in dispatch than in arithmetic."""
-    scaled = _scaled(x, top, state, slots)
-    relative = scaled.clamp(min=_EXP_FLOOR).exp_()
-    weights = (relative * _WEIGHT_ONE).long()
-    totals = weights.sum(1).tolist()
-    index = slots.numpy()
-    bits = _draw_bits(state.stream.numpy()[index], state.counter.numpy()[index])
-    drawn = (valid.numpy() & ~state.greedy.numpy()[index]).tolist()
-    top_k, top_p = state.top_k.numpy()[index].tolist(), state.top_p.numpy()[index].tolist()
-    min_p, uniform_bits = state.min_p.numpy()[index].tolist(), bits.tolist()
-    rows = zip(scaled.numpy(), relative.numpy(), weights.numpy(), strict=True)
-    tokens, left = np.zeros(len(drawn), dtype=np.int64), []
-    for i, (s, r, w) in enumerate(rows):
-        if not drawn[i]:
+    CPU's). Only a row's weighted tokens are computed: one pass over its logits finds the tokens whose scaled logit
+    may reach _WEIGHTLESS (every other token's weight is 0), and their scaled logits, exp and weights are computed as
+    `_kept_weights` computes them, element by element the same operations (torch's exp; IEEE float32 arithmetic for
+    the rest) and so the same values. Rows with top-k or top-p draw from their candidates (selection.candidate_draw,
+    each floor in turn), the radix select over the whole row for the rows no floor covers; other rows by the inverse
+    CDF over their weighted tokens. Greedy and invalid rows get 0 (`sample` takes the argmax for greedy rows). A
+    step's few rows are read as Python numbers and their uniform numbers computed in Python integers: right after a
+    forward that swept the caches, each tensor or numpy operation costs several microseconds whatever its size."""
+    greedy, temperature, min_p = state.greedy.numpy(), state.temperature.numpy(), state.min_p.numpy()
+    top_k, top_p, stream, counter = (
+        state.top_k.numpy(),
+        state.top_p.numpy(),
+        state.stream.numpy(),
+        state.counter.numpy(),
+    )
+    rows = (x if x.dtype == torch.float32 else x.float()).numpy()
+    tops, valid_rows = top.tolist(), valid.tolist()
+    tokens, left, left_bits = np.zeros(len(rows), dtype=np.int64), [], []
+    for i, slot in enumerate(slots.tolist()):
+        if not valid_rows[i] or greedy[slot]:
             continue
-        if top_k[i] == state.vocab_size and top_p[i] == 2**FRACTION_BITS:
-            tokens[i] = inverse_cdf(np.where(r >= min_p[i], w, 0) if min_p[i] > 0 else w, uniform_bits[i])
+        bits = _draw_bits_of(int(stream[slot]), int(counter[slot]))
+        t, k, p, m = temperature[slot], int(top_k[slot]), int(top_p[slot]), float(min_p[slot])
+        row = rows[i]
+        # A loose bound: every token outside has a scaled logit below _WEIGHTLESS after float32 rounding.
+        ids = np.flatnonzero(row >= tops[i] + (_WEIGHTLESS - 0.5) * float(t))
+        scaled = (row[ids] - np.float32(tops[i])) / t
+        relative = torch.from_numpy(np.maximum(scaled, np.float32(_EXP_FLOOR))).exp_().numpy()
+        weights = (relative * _WEIGHT_ONE).astype(np.int64)
+        if k == state.vocab_size and p == 2**FRACTION_BITS:
+            tokens[i] = ids[inverse_cdf(np.where(relative >= m, weights, 0) if m > 0 else weights, bits)]
             continue
+        total = int(weights.sum())
         for floor in _CANDIDATE_FLOORS:
-            token = candidate_draw(s, r, w, totals[i], top_k[i], top_p[i], min_p[i], uniform_bits[i], floor)
+            token = candidate_draw(scaled, relative, weights, total, state.vocab_size, k, p, m, bits, floor)
             if token is not None:
-                tokens[i] = token
+                tokens[i] = ids[token]
                 break
         else:
             left.append(i)
+            left_bits.append(bits)
     out = torch.from_numpy(tokens)
     if left:
         rows_left = torch.tensor(left)
         kept = _kept_weights(x[rows_left], top[rows_left], state, slots[rows_left], features)
-        out[rows_left] = _draw(kept, torch.from_numpy(bits[left])[:, None])
+        out[rows_left] = _draw(kept, torch.tensor(left_bits)[:, None])
     return out
 
 
@@ -339,6 +354,14 @@ def _draw_bits(streams: Int64s, counters: Int64s) -> Int64s:
     s and s + GAMMA would be one stream shifted by one). int64 tensors or numpy arrays, whose arithmetic wraps
     alike."""
     return _shift_right(_mix(streams + counters * _GAMMA), 64 - FRACTION_BITS)
+
+
+def _draw_bits_of(stream: int, counter: int) -> int:
+    """`_draw_bits` of one row in Python integers (the same number): `stream` as SamplerState keeps it (int64)."""
+    z = (stream + counter * _GAMMA) & _MASK_64
+    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK_64
+    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK_64
+    return (z ^ (z >> 31)) >> (64 - FRACTION_BITS)
 
 
 def _shift_right(z: Int64s, bits: int) -> Int64s:

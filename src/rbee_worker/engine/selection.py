@@ -130,6 +130,7 @@ def candidate_draw(
     relative: np.ndarray,
     weights: np.ndarray,
     total: int,
+    vocab_size: int,
     top_k: int,
     top_p: int,
     min_p: float,
@@ -140,13 +141,15 @@ def candidate_draw(
     scaled logit >= `floor`; None where the cut may fall outside them. On the host, for a CPU: a few numpy operations
     over a few tokens instead of passes over the whole row.
 
-    Row arrays over the vocabulary: `scaled` the temperature-scaled logits (float32 <= 0), `relative` = exp(scaled),
-    `weights` the integer weights, `total` their sum; `top_k` the vocabulary size when off, `top_p` and `bits` over
-    2**53. Every token outside has a smaller scaled logit than every candidate, so it comes after them all in the
-    cut's order: top-k's survivors are candidates when k is at most their number, and top-p's cut falls among them
-    when they weigh more than the mass it keeps (every token outside has at least their weight before it)."""
+    Row arrays, in token id order, over the row's tokens of nonzero weight or more (every token of scaled logit >=
+    `floor` among them; the result is an index into them): `scaled` the temperature-scaled logits (float32 <= 0),
+    `relative` = exp(scaled), `weights` the integer weights, `total` the whole row's sum of weights; `top_k`
+    `vocab_size` when off, `top_p` and `bits` over 2**53. Every token outside has a smaller scaled logit than every
+    candidate, so it comes after them all in the cut's order: top-k's survivors are candidates when k is at most their
+    number, and top-p's cut falls among them when they weigh more than the mass it keeps (every token outside has at
+    least their weight before it)."""
     ids = np.flatnonzero(scaled >= floor)
-    if top_k < scaled.shape[0]:
+    if top_k < vocab_size:
         if top_k > ids.size:
             return None
         if top_k < ids.size:  # top-k's survivors: the scaled logits >= the k-th largest, ties included
