@@ -83,8 +83,8 @@ class AccessLog:
 class BodyLimit:
     """A request whose body is over `limit()` bytes (None: no limit) gets 413 before any of it is parsed: at once by its
     Content-Length, or once that many bytes of a body sent without one have arrived (such a body is read here, then
-    handed on whole). The rest of a refused body is read and dropped first, so that a client still sending it reads
-    the answer rather than a reset connection."""
+    handed on whole). A refused body is drained before the 413 goes out: a client still sending it then reads the
+    answer, not a reset connection."""
 
     def __init__(self, app: ASGIApp, limit: Callable[[], int | None]) -> None:
         self.app = app
