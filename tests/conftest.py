@@ -12,10 +12,13 @@ from typing import TYPE_CHECKING
 
 import cli_forks
 import httpx
+import psutil
 import pytest
 import torch
-from serving import Worker, launch
+from serving import TEST_KV_GB, Worker, launch
+from xdist.scheduler import LoadScopeScheduling
 
+from rbee_worker.engine.config import EngineConfig
 from rbee_worker.models.demo import cache_dir, demo_model_path
 from rbee_worker.models.llama_cpp_model import llama_cpp_installed
 
@@ -167,6 +170,12 @@ def close_shared_zygote() -> Iterator[None]:
     yield
     if cli_forks.shared.cache_info().currsize:
         cli_forks.shared().close()
+
+
+def engine_config(**fields: object) -> EngineConfig:
+    """An EngineConfig of `fields` whose KV pool is TEST_KV_GB unless `fields` sizes it: no test's engine depends on
+    the memory free when it starts (rows.kv_budget), which other test processes change."""
+    return EngineConfig(**{"kv_cache_bytes": int(TEST_KV_GB * 2**30), **fields})  # type: ignore[arg-type]
 
 
 def greedy(engine, prompt_ids: Sequence[int], max_tokens: int):
@@ -328,12 +337,58 @@ def shared_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedW
         workers.close()
 
 
+pytest_plugins = ["suite_report"]
+# The modules whose tests use the shared workers: under pytest-xdist they run in one test process, which starts the
+# shared workers once (ModuleScheduling; pytest_collection_modifyitems checks that the list is whole).
+SHARED_MODULES = frozenset(
+    {
+        "test_access_log.py",
+        "test_clients.py",
+        "test_json_bodies.py",
+        "test_load.py",
+        "test_openai.py",
+        "test_server.py",
+        "test_structured_output.py",
+        "test_tools.py",
+    }
+)
+
+
+class ModuleScheduling(LoadScopeScheduling):
+    """pytest-xdist's `--dist loadscope` (./dev test), a test module being a scope, so that its module-scoped workers
+    and engines start once, and the modules of SHARED_MODULES one scope. The controller knows the tests by their ids
+    alone, hence a list of module names."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return "shared-workers" if Path(path).name in SHARED_MODULES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ModuleScheduling | None:
+    return ModuleScheduling(config, log) if config.getoption("dist") == "loadscope" else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In each of pytest-xdist's test processes (`./dev test` runs two), the forwards take the cores' share of one
+    process: torch's threads here, and through OMP_NUM_THREADS those of every worker and engine started here
+    (engine/config.py default_threads), so that two processes' llama.cpp threads never outnumber the cores (they spin
+    at each operation's barrier)."""
+    if (processes := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) is None:
+        return
+    threads = max(1, (psutil.cpu_count(logical=False) or 1) // int(processes))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules with tests that use the shared workers run last, one after another, each in its own order: the
     shared workers (about 4.5 GiB resident together, most of it llama.cpp's KV cache) then live from the first of
-    them to the session's end, not beside every other module's workers."""
+    them to the session's end, not beside every other module's workers. Each such module must be in SHARED_MODULES."""
     sharing = {item.path for item in items if "shared_workers" in getattr(item, "fixturenames", ())}
+    if missing := sorted(path.name for path in sharing if path.name not in SHARED_MODULES):
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(missing)} to SHARED_MODULES")
     items[:] = [item for item in items if item.path not in sharing] + [item for item in items if item.path in sharing]
 
 

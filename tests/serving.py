@@ -28,6 +28,11 @@ PROMPT = "Once upon a time, in a small village by the sea,"
 EOS_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 # max_tokens of a job still running when the test cancels it: greedy (sampled, it may end early), about a minute here
 LONG = 2048
+# The KV pool (GiB) of every worker and engine the tests start unless a test sizes its own (--kv-cache-gb,
+# kv_cache_bytes): never sized from the memory free at the time, which the other test process changes. It holds the
+# demo's whole context for each of the default 16 rows on llama.cpp (16 x 8192 x 23040 bytes, 2.81 GiB): the pool a
+# machine with the memory gets by default.
+TEST_KV_GB = 3
 
 
 # --- the worker process -----------------------------------------------------------------------------------------------
@@ -94,13 +99,15 @@ def launch(
     fault: str | None = None,
     fork: bool = False,
 ) -> Worker:
-    """`rbee-worker serve` on the demo; `fault`: with that fault injected (see tests/fault_worker.py). `fork`: forked
-    from the session's zygote (cli_forks.shared), which has imported torch and transformers, unless `env` changes a
-    variable read at import: about 5 s less per start, for tests that do not watch the imports (their time, a signal
-    during them); a fault is then injected in the forked child."""
+    """`rbee-worker serve` on the demo, its KV pool TEST_KV_GB unless `flags` size it; `fault`: with that fault
+    injected (see tests/fault_worker.py). `fork`: forked from the session's zygote (cli_forks.shared), which has
+    imported torch and transformers, unless `env` changes a variable read at import: about 5 s less per start, for
+    tests that do not watch the imports (their time, a signal during them); a fault is then injected in the forked
+    child."""
     port = port or free_port()
     stderr_path = log_dir / f"worker-{port}-{uuid.uuid4().hex[:6]}.stderr"
-    args = ("serve", "--model", "demo", "--port", str(port), *flags)
+    sized = () if "--kv-cache-gb" in flags else ("--kv-cache-gb", str(TEST_KV_GB))
+    args = ("serve", "--model", "demo", "--port", str(port), *sized, *flags)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if fork and (zygote := cli_forks.shared()).can_run(full_env):
         stderr_path.touch()

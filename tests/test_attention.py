@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import engine_config
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.attention import NAME, attention
@@ -76,7 +77,7 @@ def test_attention_compiles_whole_with_dynamic_shapes() -> None:
 
 
 def test_the_engine_runs_the_real_model_through_it(demo_gguf: Path) -> None:
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), engine_config())
     try:
         assert engine.loaded.model.config._attn_implementation == NAME
     finally:

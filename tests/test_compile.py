@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import is_compiled, make_tiny_model, submit_together
+from conftest import engine_config, is_compiled, make_tiny_model, submit_together
 
 from rbee_worker.devices import Placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
@@ -38,7 +37,7 @@ def test_compiled_cpu_forward_decodes_as_the_plain_one(random_llama: Path) -> No
     load = functools.partial(load_model, str(random_llama), Placement(torch.device("cpu"), torch.float32))
     results = []
     for compile_model in (False, True):
-        engine = Engine(load, EngineConfig(max_batch=4, compile_model=compile_model))
+        engine = Engine(load, engine_config(max_batch=4, compile_model=compile_model))
         try:
             model = engine.loaded.model  # waits for the load (and the compilation)
             assert is_compiled(model) is compile_model

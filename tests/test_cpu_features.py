@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import cli, greedy
+from conftest import cli, engine_config, greedy
 from serving import execute, running
 
 from rbee_worker.cpu_features import FORCE_VARIABLE, CpuFeatures, cpu_features
@@ -120,7 +120,7 @@ def test_a_bfloat16_directory_generates_in_every_dtype_and_quantize_mode(
     """Every mode loads and answers on this CPU, its linear layers of the kinds chosen for it: oneDNN-packed only in
     a dtype oneDNN computes here, int4 / int8 layers (which compute in bfloat16) in a model of any dtype."""
     placement = resolve_placement("cpu", dtype)
-    engine = Engine(lambda: load_model(str(demo_hf_bf16_dir), placement, quantize=quantize))
+    engine = Engine(lambda: load_model(str(demo_hf_bf16_dir), placement, quantize=quantize), engine_config())
     try:
         ids, end = greedy(engine, engine.tokenize(PROMPT), 8)
         model = engine.loaded.model

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from conftest import engine_config
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.detokenizer import Detokenizer
@@ -77,7 +78,7 @@ def test_special_tokens_are_skipped(tokenizer) -> None:
 
 @pytest.fixture(scope="module")
 def engine(demo_gguf: Path):
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")), engine_config())
     yield engine
     engine.close()
 

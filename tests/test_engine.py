@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUNTIMES, assert_launched_ahead_as_waiting, submit_together
+from conftest import RUNTIMES, assert_launched_ahead_as_waiting, engine_config, submit_together
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine import cuda_graphs
@@ -28,7 +28,9 @@ STORY = "Once upon a time, in a small village by the sea,"
 
 @pytest.fixture(scope="module", params=RUNTIMES)
 def engine(demo_gguf: Path, request: pytest.FixtureRequest):
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=request.param))
+    engine = Engine(
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=request.param), engine_config()
+    )
     yield engine
     engine.close()
 
@@ -155,7 +157,7 @@ def test_seeded_sampled_request_is_the_same_alone_and_among_15_others_when_deter
     own rows alone (on llama.cpp: one sequence per llama_decode)."""
     engine = Engine(
         lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=runtime),
-        EngineConfig(deterministic=True, max_batch=16),
+        engine_config(deterministic=True, max_batch=16),
     )
     try:
         chat = SamplingParams(temperature=0.7, top_p=0.9)
@@ -175,7 +177,7 @@ def test_seeded_sampled_request_is_the_same_alone_and_among_15_others_when_deter
 def test_concurrent_requests_interleave_and_match_their_solo_runs(demo_gguf: Path) -> None:
     """Batched decoding (one forward for all rows, free rows in between) gives each request its solo tokens; float32,
     so that the batch's different rounding cannot flip a near tie."""
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")), engine_config())
     try:
         check_interleaving(engine)
     finally:
@@ -210,7 +212,7 @@ def check_interleaving(engine: Engine) -> None:
 def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) -> None:
     """Three prompts of different lengths that arrive while a long prefill runs are prefilled in one forward at the
     next round (rows left-padded to the longest) and still give their solo tokens; float32, as above."""
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")), engine_config())
     try:
         prompts = [STORY, "The three primary colors are", "def add(a, b):\n"]
         requests = [Request(engine.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
@@ -255,7 +257,7 @@ def test_slots_then_queue_then_busy(demo_gguf: Path, runtime: str) -> None:
     refused with EngineBusy; all admitted ones finish."""
     engine = Engine(
         lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=runtime),
-        EngineConfig(max_batch=2, max_queue=1),
+        engine_config(max_batch=2, max_queue=1),
     )
     try:
         prompt = engine.tokenize(STORY)
@@ -304,7 +306,7 @@ def test_seed_out_of_range_is_an_invalid_request(engine: Engine) -> None:
 
 
 def test_closed_engine_refuses_new_requests(demo_gguf: Path) -> None:
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")))
+    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), engine_config())
     prompt = engine.tokenize(STORY)
     engine.close()
     events = list(engine.stream(Request(prompt, max_tokens=5)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import greedy
+from conftest import engine_config, greedy
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 from test_dequant import as_raw, random_k_quant
@@ -199,7 +199,7 @@ def test_demo_perplexity_stays_close_to_float32(quantized_demo, demo_gguf: Path)
 def test_demo_engine_greedy_output(quantized_demo) -> None:
     """Through the engine (last in this module: it swaps in its own attention), greedy decoding still says Paris, as
     the int4 model with a bfloat16 head did."""
-    engine = Engine(lambda: quantized_demo)
+    engine = Engine(lambda: quantized_demo, engine_config())
     try:
         ids, _ = greedy(engine, quantized_demo.tokenizer(PROMPTS[0])["input_ids"], 8)
     finally:

@@ -7,10 +7,9 @@ import queue
 from pathlib import Path
 
 import pytest
-from conftest import submit_together
+from conftest import engine_config, submit_together
 
 from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.prompt_cache import PromptCache, common_prefix
 from rbee_worker.engine.sampling import SamplingParams
@@ -67,7 +66,7 @@ def make_engine(demo_gguf: Path, **config: object) -> Engine:
     settings = {"max_batch": 4, "threads": 2, **config}
     return Engine(
         lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime="llama.cpp"),
-        EngineConfig(**settings),  # type: ignore[arg-type]
+        engine_config(**settings),
     )
 
 

@@ -7,11 +7,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import greedy, submit_together
+from conftest import engine_config, greedy, submit_together
 
 from rbee_worker.benchmark.accuracy import GREEDY_TOKENS, PROMPTS
 from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
@@ -29,7 +28,7 @@ CHAT = [{"role": "user", "content": "Name three bees, then say <|im_end|> and 42
 def engine(demo_gguf: Path):
     engine = Engine(
         lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime="llama.cpp"),
-        EngineConfig(max_batch=4, threads=2),
+        engine_config(max_batch=4, threads=2),
     )
     yield engine
     engine.close()

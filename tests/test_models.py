@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import cli, greedy, make_tiny_model
+from conftest import cli, engine_config, greedy, make_tiny_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -106,7 +106,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def engine_greedy(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int = NEW_TOKENS) -> tuple[list[int], End]:
     """Greedy token ids from our Engine, and its End event. The engine gets a copy: it owns the model it runs (on a
     CPU it swaps the linear layers for oneDNN-packed ones), and `loaded` is shared with other tests."""
-    engine = Engine(lambda: copy.deepcopy(loaded))
+    engine = Engine(lambda: copy.deepcopy(loaded), engine_config())
     try:
         return greedy(engine, prompt_ids, max_tokens)
     finally:

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import engine_config
 
 from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, Event, Request, Token
@@ -38,7 +38,7 @@ def engine_of(path: Path, **config: object) -> Engine:
     """One CPU thread: on a machine shared with other work, more threads mostly wait for each other."""
     return Engine(
         lambda: load_model(str(path), resolve_placement("cpu", "float32")),
-        EngineConfig(**{"max_batch": 4, "block_size": BLOCK, "threads": 1, **config}),
+        engine_config(**{"max_batch": 4, "block_size": BLOCK, "threads": 1, **config}),
     )
 
 

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import RUNTIMES
+from conftest import RUNTIMES, engine_config
 from serving import running
 from test_structured_output import allowed, generate_together
 from tiny_qwen3 import END, QWEN3_TEMPLATE, R1_TEMPLATE, START, build_tiny_qwen3
@@ -293,7 +293,7 @@ def engine(tiny_qwen3: Path) -> Iterator[Engine]:
     # No prefix cache: a request computed alone computes the same numbers each time (compared below).
     engine = Engine(
         lambda: load_model(str(tiny_qwen3), resolve_placement("cpu", "float32"), runtime="torch"),
-        EngineConfig(prefix_caching=False),
+        engine_config(prefix_caching=False),
     )
     yield engine
     engine.close()
@@ -329,7 +329,7 @@ def test_the_engine_detects_the_format_honouring_the_flag_and_the_template(
 ) -> None:
     assert engine.reasoning == think
     cpu = resolve_placement("cpu", "float32")
-    for config, template in ((EngineConfig(reasoning_parser="none"), None), (EngineConfig(), "{{ 'no tags' }}")):
+    for config, template in ((engine_config(reasoning_parser="none"), None), (engine_config(), "{{ 'no tags' }}")):
         other = Engine(lambda t=template: load_model(str(tiny_qwen3), cpu, chat_template=t), config)
         try:
             assert other.reasoning is None
@@ -389,7 +389,9 @@ def test_both_runtimes_unmask_a_dormant_row(demo_gguf: Path, runtime: str) -> No
     `<|im_start|>` opens the reasoning, the first "." token ends it), so that both runtimes run the same dormant
     rows: free prose first, the schema after the full stop; and where the end tag never comes, the model's EOS ends
     the request in its reasoning."""
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=runtime))
+    engine = Engine(
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=runtime), engine_config()
+    )
     try:
         tokenizer = engine.loaded.tokenizer
         start_id, full_stop = tokenizer.convert_tokens_to_ids(["<|im_start|>", "."])

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy
+from conftest import engine_config, greedy
 from transformers import AutoModelForCausalLM
 
 from rbee_worker.devices import Placement
@@ -28,14 +28,14 @@ def reference(demo_hf_dir: Path):
 
 @pytest.fixture(scope="module")
 def gguf_engine(demo_gguf: Path):
-    engine = Engine(lambda: load_model(str(demo_gguf), FP32_CPU))
+    engine = Engine(lambda: load_model(str(demo_gguf), FP32_CPU), engine_config())
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def hf_engine(demo_hf_dir: Path):
-    engine = Engine(lambda: load_model(str(demo_hf_dir), FP32_CPU))
+    engine = Engine(lambda: load_model(str(demo_hf_dir), FP32_CPU), engine_config())
     yield engine
     engine.close()
 

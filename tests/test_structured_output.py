@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 import xgrammar
-from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers
+from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers, engine_config
 from openai.types.chat import ParsedChatCompletion
 from pydantic import BaseModel, Field
 from serving import DEMO_NAME, PROMPT, Worker, execute
@@ -315,7 +315,9 @@ def test_the_sampler_draws_only_allowed_tokens(grammars: Grammars, tokenizer) ->
 
 @pytest.fixture(scope="module", params=RUNTIMES)
 def engine(demo_gguf: Path, request: pytest.FixtureRequest) -> Iterator[Engine]:
-    engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=request.param))
+    engine = Engine(
+        lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime=request.param), engine_config()
+    )
     yield engine
     engine.close()
 

@@ -82,7 +82,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         type=bounded(int, 1),
         default=None,
         metavar="N",
-        help="CPU threads of the forward (default: the physical cores)",
+        help="CPU threads of the forward (default: OMP_NUM_THREADS where set, else the physical cores)",
     )
     group.add_argument(
         "--deterministic",

@@ -188,15 +188,14 @@ def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> N
 
 def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineConfig":
     """The engine's settings from `serve`'s flags; under --tensor-parallel N on a CPU, each process's threads are the
-    physical cores / the ranks on this node (N / --nnodes) unless --threads is given."""
-    import psutil
-
-    from rbee_worker.engine.config import EngineConfig
+    default threads (engine/config.py default_threads) / the ranks on this node (N / --nnodes) unless --threads is
+    given."""
+    from rbee_worker.engine.config import EngineConfig, default_threads
 
     threads = args.threads
     world = getattr(args, "tensor_parallel", 1) // getattr(args, "nnodes", 1)  # the processes on this node
     if threads is None and world > 1 and placement.device.type == "cpu":
-        threads = max(1, (psutil.cpu_count(logical=False) or 1) // world)
+        threads = max(1, default_threads() // world)
     return EngineConfig(
         deterministic=args.deterministic,
         max_batch=args.max_batch,

@@ -1,6 +1,9 @@
 """The engine's settings: one object, built once from the command line (or by a test) and read by every part."""
 
+import os
 from dataclasses import dataclass
+
+import psutil
 
 REASONING_PARSERS = ("auto", "none")
 
@@ -16,7 +19,7 @@ class EngineConfig:
     prefix_caching: bool = True  # a prompt's cached prefix (whole blocks) is reused, not computed again
     cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
     compile_model: bool = False  # the forward through torch.compile
-    threads: int | None = None  # CPU threads of the forward; None: the physical cores (on torch: its own default)
+    threads: int | None = None  # CPU threads of the forward; None: default_threads() (on torch: its own default)
     # "auto": a reasoning model's format detected from its chat template (Engine.reasoning); "none": no format.
     reasoning_parser: str = "auto"
     grammar_compile_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused, its compile stopped
@@ -34,3 +37,12 @@ class EngineConfig:
             raise ValueError("grammar_compile_timeout_s must be positive")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
+
+
+def default_threads() -> int:
+    """The CPU threads of a forward without --threads: OMP_NUM_THREADS where it is a positive integer (as torch's own
+    default reads it, so both runtimes follow one setting), else the physical cores."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return psutil.cpu_count(logical=False) or 1

@@ -44,10 +44,9 @@ from collections.abc import Sequence
 
 import llama_cpp.llama_cpp as native
 import numpy as np
-import psutil
 import torch
 
-from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.config import EngineConfig, default_threads
 from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.prompt_cache import PromptCache, State, common_prefix
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
@@ -105,7 +104,7 @@ class LlamaCppRunner:
         unified = not config.deterministic and per_row < self.kv.context
         if not unified:
             self.kv = dataclasses.replace(self.kv, context=per_row)
-        self.threads = config.threads or psutil.cpu_count(logical=False) or 1
+        self.threads = config.threads or default_threads()
         self.capacity = config.prefill_chunk + rows  # the most tokens one step feeds: a round's chunks and decodes
         params = native.llama_context_default_params()
         params.n_ctx = self.kv.tokens if unified else rows * self.kv.context

@@ -1,0 +1,84 @@
+"""The suite's own report at the end of a run (`--file-times N`, as .ci/run passes it): the time of each test file
+(pytest's durations of every setup, call and teardown, summed by file; the N slowest, 0: all), each test process's
+sum, and the most memory the machine had in use while the suite ran (sampled every half second: total less
+available, so every worker and engine the tests started counts, wherever it runs)."""
+
+import collections
+import threading
+import time
+
+import psutil
+import pytest
+
+SAMPLE_S = 0.5
+
+
+class MemoryPeak:
+    """The machine's memory in use, its peak, from a daemon thread."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="memory-peak", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            memory = psutil.virtual_memory()
+            self.peak = max(self.peak, memory.total - memory.available)
+            self._stop.wait(SAMPLE_S)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+_PEAK = pytest.StashKey[MemoryPeak]()
+_STARTED = pytest.StashKey[float]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--file-times",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at the end, the N slowest test files by summed durations (0: every file), each test process's sum, "
+        "and the machine's peak memory in use",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # In the controller only: under pytest-xdist its test processes send it their reports.
+    if config.getoption("file_times") is not None and not hasattr(config, "workerinput"):
+        config.stash[_PEAK] = MemoryPeak()
+        config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if _PEAK not in config.stash:
+        return
+    peak, wall = config.stash[_PEAK].stop(), time.monotonic() - config.stash[_STARTED]
+    seconds: dict[str, float] = collections.defaultdict(float)
+    tests: dict[str, set[str]] = collections.defaultdict(set)
+    processes: dict[str, float] = collections.defaultdict(float)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            path = report.nodeid.split("::", 1)[0]
+            seconds[path] += report.duration
+            tests[path].add(report.nodeid)
+            node = getattr(report, "node", None)  # pytest-xdist's test process
+            processes[node.gateway.id if node is not None else "main"] += report.duration
+    limit = config.getoption("file_times") or len(seconds)
+    write = terminalreporter.write_line
+    terminalreporter.section("time by test file")
+    write(f"{'seconds':>8} {'tests':>5}  file")
+    for path, total in sorted(seconds.items(), key=lambda item: -item[1])[:limit]:
+        write(f"{total:8.1f} {len(tests[path]):5d}  {path}")
+    write(f"{sum(seconds.values()):8.1f} {sum(map(len, tests.values())):5d}  all files ({wall:.0f} s of wall time)")
+    write("by test process: " + ", ".join(f"{name} {total:.0f} s" for name, total in sorted(processes.items())))
+    total = psutil.virtual_memory().total
+    write(f"peak memory in use: {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
