@@ -24,8 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from rbee_worker.benchmark.peers import SAMPLING_MODES
 from rbee_worker.benchmark.run import build_spec, machine, start_worker, stream_completion
 
@@ -66,10 +64,9 @@ def stream_counts(args: argparse.Namespace) -> list[int]:
 
 
 async def timed_round(url: str, prompts: list[list[int]], tokens: int, sampling: dict) -> dict:
-    """All `prompts` streamed at once through a fresh client: the round's wall time (first start to last token),
+    """All `prompts` streamed at once, a connection each: the round's wall time (first start to last token),
     aggregate tokens/s over it, and per stream the time to first token and decode tokens/s (medians)."""
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=None)) as client:
-        streams = await asyncio.gather(*(stream_completion(client, p, tokens, sampling) for p in prompts))
+    streams = await asyncio.gather(*(stream_completion(url, p, tokens, sampling) for p in prompts))
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     generated = sum(s.tokens for s in streams)
     return {

@@ -35,6 +35,9 @@ RUNTIMES = ["torch"] if os.environ.get("RBEE_CPU_ISA") else ["torch", pytest.par
 HF_DIR_VERSION = "1"
 # The bearer token of the shared demo workers (LLORCH_API_TOKEN): every client of theirs sends it.
 SHARED_TOKEN = "test-token-0123456789"
+# The shared workers' KV pool (GiB): the pool a machine with the memory gets by default, on llama.cpp the demo's whole
+# context for each of the default 16 rows in a stream of its own (16 x 8192 x 23040 bytes, 2.81 GiB).
+SHARED_KV_GB = 3
 AUTH = {"Authorization": f"Bearer {SHARED_TOKEN}"}
 
 
@@ -292,8 +295,8 @@ def penalty_state(vocab: int, generator: torch.Generator) -> tuple["SamplerState
 
 
 class SharedWorkers:
-    """One `rbee-worker serve --runtime R` on the demo per runtime, with default flags and SHARED_TOKEN, started when a
-    test first asks for it and stopped (exit 0 on SIGTERM asserted) when the session ends.
+    """One `rbee-worker serve --runtime R` on the demo per runtime, with default flags but SHARED_KV_GB and
+    SHARED_TOKEN, started when a test first asks for it and stopped (exit 0 on SIGTERM asserted) when the session ends.
 
     A start costs 5-15 s on a 2-core CPU; the API tests of several modules (test_openai, test_server,
     test_structured_output, test_tools, test_clients, test_json_bodies, test_access_log, test_load's soak) only send
@@ -314,7 +317,8 @@ class SharedWorkers:
     def get(self, runtime: str) -> Worker:
         worker = self._workers.get(runtime)
         if worker is None:
-            worker = launch(self._log_dir, "--runtime", runtime, env={"LLORCH_API_TOKEN": SHARED_TOKEN}, fork=True)
+            flags = ("--runtime", runtime, "--kv-cache-gb", str(SHARED_KV_GB))
+            worker = launch(self._log_dir, *flags, env={"LLORCH_API_TOKEN": SHARED_TOKEN}, fork=True)
             self._workers[runtime] = worker  # stopped at the end even if it never becomes healthy
             worker.wait_healthy()
             self.first_health[runtime] = httpx.get(f"{worker.url}/health", timeout=10).json()

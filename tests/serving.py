@@ -29,10 +29,11 @@ EOS_PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 # max_tokens of a job still running when the test cancels it: greedy (sampled, it may end early), about a minute here
 LONG = 2048
 # The KV pool (GiB) of every worker and engine the tests start unless a test sizes its own (--kv-cache-gb,
-# kv_cache_bytes): never sized from the memory free at the time, which the other test process changes. It holds the
-# demo's whole context for each of the default 16 rows on llama.cpp (16 x 8192 x 23040 bytes, 2.81 GiB): the pool a
-# machine with the memory gets by default.
-TEST_KV_GB = 3
+# kv_cache_bytes): never sized from the memory free at the time, which the other test process changes. On llama.cpp,
+# which holds its pool whole from the start, 1 GiB is a KV stream per sequence up to --max-batch 5 (5 x the demo's
+# 8192 x 23040 bytes) and one unified pool above (engine/llama_cpp_runner.py); the shared workers take the pool a
+# machine with the memory gets by default (conftest.py SHARED_KV_GB).
+TEST_KV_GB = 1
 
 
 # --- the worker process -----------------------------------------------------------------------------------------------

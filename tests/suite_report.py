@@ -14,28 +14,37 @@ SAMPLE_S = 0.5
 
 
 class MemoryPeak:
-    """The machine's memory in use, its peak, from a daemon thread."""
+    """The machine's memory in use, its peak and the tests that ran at that moment, from a daemon thread."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.running_at_peak: list[str] = []
+        self._running: set[str] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="memory-peak", daemon=True)
         self._thread.start()
 
+    def started(self, nodeid: str) -> None:
+        with self._lock:
+            self._running.add(nodeid)
+
+    def finished(self, nodeid: str) -> None:
+        with self._lock:
+            self._running.discard(nodeid)
+
     def _sample(self) -> None:
         while not self._stop.is_set():
             memory = psutil.virtual_memory()
-            self.peak = max(self.peak, memory.total - memory.available)
+            if (used := memory.total - memory.available) > self.peak:
+                with self._lock:
+                    self.peak, self.running_at_peak = used, sorted(self._running)
             self._stop.wait(SAMPLE_S)
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
         return self.peak
-
-
-_PEAK = pytest.StashKey[MemoryPeak]()
-_STARTED = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -52,33 +61,46 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # In the controller only: under pytest-xdist its test processes send it their reports.
     if config.getoption("file_times") is not None and not hasattr(config, "workerinput"):
-        config.stash[_PEAK] = MemoryPeak()
-        config.stash[_STARTED] = time.monotonic()
+        config.pluginmanager.register(SuiteReport(config.getoption("file_times")), "suite-report")
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    if _PEAK not in config.stash:
-        return
-    peak, wall = config.stash[_PEAK].stop(), time.monotonic() - config.stash[_STARTED]
-    seconds: dict[str, float] = collections.defaultdict(float)
-    tests: dict[str, set[str]] = collections.defaultdict(set)
-    processes: dict[str, float] = collections.defaultdict(float)
-    for reports in terminalreporter.stats.values():
-        for report in reports:
-            if not isinstance(report, pytest.TestReport):
-                continue
-            path = report.nodeid.split("::", 1)[0]
-            seconds[path] += report.duration
-            tests[path].add(report.nodeid)
-            node = getattr(report, "node", None)  # pytest-xdist's test process
-            processes[node.gateway.id if node is not None else "main"] += report.duration
-    limit = config.getoption("file_times") or len(seconds)
-    write = terminalreporter.write_line
-    terminalreporter.section("time by test file")
-    write(f"{'seconds':>8} {'tests':>5}  file")
-    for path, total in sorted(seconds.items(), key=lambda item: -item[1])[:limit]:
-        write(f"{total:8.1f} {len(tests[path]):5d}  {path}")
-    write(f"{sum(seconds.values()):8.1f} {sum(map(len, tests.values())):5d}  all files ({wall:.0f} s of wall time)")
-    write("by test process: " + ", ".join(f"{name} {total:.0f} s" for name, total in sorted(processes.items())))
-    total = psutil.virtual_memory().total
-    write(f"peak memory in use: {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
+class SuiteReport:
+    """The report's plugin: the memory sampled from the start, each test's start and end, the summary."""
+
+    def __init__(self, files: int) -> None:
+        self._files = files
+        self._memory = MemoryPeak()
+        self._started = time.monotonic()
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self._memory.started(nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        self._memory.finished(nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        peak, wall = self._memory.stop(), time.monotonic() - self._started
+        seconds: dict[str, float] = collections.defaultdict(float)
+        tests: dict[str, set[str]] = collections.defaultdict(set)
+        processes: dict[str, float] = collections.defaultdict(float)
+        for reports in terminalreporter.stats.values():
+            for report in reports:
+                if not isinstance(report, pytest.TestReport):
+                    continue
+                path = report.nodeid.split("::", 1)[0]
+                seconds[path] += report.duration
+                tests[path].add(report.nodeid)
+                node = getattr(report, "node", None)  # pytest-xdist's test process
+                processes[node.gateway.id if node is not None else "main"] += report.duration
+        write = terminalreporter.write_line
+        terminalreporter.section("time by test file")
+        write(f"{'seconds':>8} {'tests':>5}  file")
+        for path, total in sorted(seconds.items(), key=lambda item: -item[1])[: self._files or len(seconds)]:
+            write(f"{total:8.1f} {len(tests[path]):5d}  {path}")
+        count = sum(map(len, tests.values()))
+        write(f"{sum(seconds.values()):8.1f} {count:5d}  all files ({wall:.0f} s of wall time)")
+        write("by test process: " + ", ".join(f"{name} {total:.0f} s" for name, total in sorted(processes.items())))
+        total = psutil.virtual_memory().total
+        write(f"peak memory in use: {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB, while these ran:")
+        for nodeid in self._memory.running_at_peak:
+            write(f"  {nodeid}")

@@ -13,11 +13,13 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
+from rbee_worker.engine import rows
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK, BlockPool, BlockTable, block_key
 from rbee_worker.engine.output import Output, OutputProcessor
-from rbee_worker.engine.rows import kv_pool
+from rbee_worker.engine.rows import kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
@@ -570,3 +572,14 @@ def test_the_pool_offers_the_models_context_whenever_one_request_fits() -> None:
     assert (capped.blocks, capped.context) == (3 + 1, 37)
     with pytest.raises(ModelLoadError, match="KV cache"):
         kv_pool(8192, per_token, 16, 3 * 16 * per_token, rows=4)
+
+
+def test_the_default_budget_off_a_gpu_is_half_the_memory_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --kv-cache-gb a CPU's pool may take half the memory available once the weights are in (the tests size
+    theirs instead, since it depends on what else runs): with 7 GiB available the demo's default 16 rows get their
+    whole contexts, with 2 GiB the pool is what 1 GiB holds."""
+    per_token, context = 23_040, 8192
+    for available, blocks in ((7 << 30, 16 * context // 16 + 1), (2 << 30, 2**30 // (16 * per_token))):
+        monkeypatch.setattr(rows.psutil, "virtual_memory", lambda a=available: type("Memory", (), {"available": a}))
+        assert kv_budget(torch.device("cpu")) == available // 2
+        assert kv_pool(context, per_token, 16, kv_budget(torch.device("cpu")), rows=16).blocks == blocks

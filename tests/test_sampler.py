@@ -793,6 +793,27 @@ def test_the_draw_on_the_host_gives_the_tokens_of_the_radix_select(monkeypatch: 
     assert outcomes == {"covered", "not covered", "radix"}
 
 
+def test_greedy_rows_on_the_host_give_the_tensor_paths_output() -> None:
+    """A step of greedy rows alone on the host (numpy argmaxes) gives the tensor path's tokens, validity and draw
+    counters: ties to the lowest id, a NaN, +inf, a row all -inf, bfloat16 logits, padding rows left untouched."""
+    params = [SamplingParams(temperature=0.0)] * 6
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 4).round().to(dtype)
+        logits[1, 40] = torch.nan
+        logits[2, [9, 200]] = torch.inf
+        logits[3] = -torch.inf
+        slots, live = torch.tensor([0, 1, 2, 3, 4, 4]), torch.tensor([True, True, True, True, True, False])
+        outputs, counters = [], []
+        for on_host in (False, True):
+            state = make_state(params, 300, "cpu")
+            outputs.append(sample(logits, state, slots, live, SamplerFeatures(), on_host=on_host))
+            counters.append(state.counter.clone())
+        tensor_path, host = outputs
+        assert torch.equal(host.tokens, tensor_path.tokens) and torch.equal(host.valid, tensor_path.valid)
+        assert host.valid.tolist() == [True, False, False, False, True, True]
+        assert torch.equal(counters[1], counters[0]) and counters[1][:5].tolist() == [1, 0, 0, 0, 1]
+
+
 def test_cpu_maxima_equal_torch_max() -> None:
     """The CPU's row maxima (amax and numpy's argmax) give torch.max's values and first indices: ties, NaN, all -inf,
     +inf, bfloat16."""
