@@ -327,14 +327,19 @@ class SharedWorkers:
         return worker
 
     def close(self) -> None:
-        codes = {runtime: worker.stop() for runtime, worker in self._workers.items()}
+        """Stops the workers started so far (a later `get` starts a new one)."""
+        workers, self._workers = self._workers, {}
+        codes = {runtime: worker.stop() for runtime, worker in workers.items()}
         failed = {runtime: code for runtime, code in codes.items() if code != 0}
-        assert not failed, "\n".join(f"{r}: exit {c}\n{self._workers[r].stderr()}" for r, c in failed.items())
+        assert not failed, "\n".join(f"{r}: exit {c}\n{workers[r].stderr()}" for r, c in failed.items())
+
+
+SHARED_WORKERS = pytest.StashKey[SharedWorkers]()
 
 
 @pytest.fixture(scope="session")
-def shared_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWorkers]:
-    workers = SharedWorkers(tmp_path_factory.mktemp("shared-workers"))
+def shared_workers(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWorkers]:
+    workers = pytestconfig.stash[SHARED_WORKERS] = SharedWorkers(tmp_path_factory.mktemp("shared-workers"))
     try:
         yield workers
     finally:
@@ -383,6 +388,14 @@ def pytest_configure(config: pytest.Config) -> None:
     threads = max(1, (psutil.cpu_count(logical=False) or 1) // int(processes))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test of SHARED_MODULES in this process (they run one after another), the shared workers stop:
+    under pytest-xdist the process goes on with other modules, which then run without their memory."""
+    leaving = item.path.name in SHARED_MODULES and (nextitem is None or nextitem.path.name not in SHARED_MODULES)
+    if leaving and (workers := item.config.stash.get(SHARED_WORKERS, None)) is not None:
+        workers.close()
 
 
 @pytest.hookimpl(trylast=True)

@@ -11,6 +11,17 @@ import psutil
 import pytest
 
 SAMPLE_S = 0.5
+PROCESSES_SHOWN = 6  # the largest processes at the peak, by resident memory
+
+
+def _largest_processes(count: int) -> list[str]:
+    """The `count` processes of the most resident memory: their size, and their command line, cut short."""
+    sizes = []
+    for process in psutil.process_iter(["memory_info", "cmdline"]):
+        memory, command = process.info["memory_info"], process.info["cmdline"]
+        if memory is not None:
+            sizes.append((memory.rss, " ".join(command or [])[:100]))
+    return [f"{rss / 2**30:.1f} GiB  {command}" for rss, command in sorted(sizes, reverse=True)[:count]]
 
 
 class MemoryPeak:
@@ -19,6 +30,7 @@ class MemoryPeak:
     def __init__(self) -> None:
         self.peak = 0
         self.running_at_peak: list[str] = []
+        self.largest_at_peak: list[str] = []
         self._running: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -39,6 +51,7 @@ class MemoryPeak:
             if (used := memory.total - memory.available) > self.peak:
                 with self._lock:
                     self.peak, self.running_at_peak = used, sorted(self._running)
+                self.largest_at_peak = _largest_processes(PROCESSES_SHOWN)
             self._stop.wait(SAMPLE_S)
 
     def stop(self) -> int:
@@ -104,3 +117,6 @@ class SuiteReport:
         write(f"peak memory in use: {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB, while these ran:")
         for nodeid in self._memory.running_at_peak:
             write(f"  {nodeid}")
+        write("the largest processes then:")
+        for line in self._memory.largest_at_peak:
+            write(f"  {line}")

@@ -114,15 +114,15 @@ def splits_for(rows: int, kv_heads: int, device: torch.device) -> int:
     return min(MAX_SPLITS, max(1, triton.cdiv(2 * _multiprocessors(device), rows * kv_heads)))
 
 
-def supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+def supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether paged_decode_attention takes these: CUDA, one query token in bfloat16 or float16 (in float32 the tensor
-    cores' products round to TF32), a power-of-two head size of 16 to 256, whole groups of query heads per key/value
-    head, query and cache contiguous in their last dimension."""
+    cores' products round to TF32), keys and values of one power-of-two head size of 16 to 256, whole groups of query
+    heads per key/value head, query and cache contiguous in their last dimension."""
     _, heads, q_len, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     return (
         query.is_cuda and key_cache.is_cuda and q_len == 1 and query.dtype in (torch.bfloat16, torch.float16)
-        and key_cache.dtype == query.dtype and key_cache.shape[3] == head_dim
+        and key_cache.dtype == query.dtype and key_cache.shape[3] == value_cache.shape[3] == head_dim
         and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and heads % kv_heads == 0
         and query.stride(-1) == key_cache.stride(-1) == 1
     )  # fmt: skip

@@ -39,15 +39,24 @@ ReadMode = Literal["gather", "new", "paged"]
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     """Bytes of keys and values that one token of context takes over all layers."""
-    heads, head_dim = kv_shape(config)
-    return 2 * config.get_text_config().num_hidden_layers * heads * head_dim * dtype.itemsize
+    heads, key_dim, value_dim = kv_shape(config)
+    return config.get_text_config().num_hidden_layers * heads * (key_dim + value_dim) * dtype.itemsize
 
 
-def kv_shape(config: PretrainedConfig) -> tuple[int, int]:
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """The heads of what a layer gives its cache and the widths of a head's key and value, as transformers' attention
+    layers hand them over: a multi-query config (Falcon's and GPTBigCode's `multi_query`, without Falcon's
+    `new_decoder_architecture`) has one key/value head; latent attention (DeepSeek-V2 / V3, Kimi, MiniCPM3:
+    `kv_lora_rank`) caches its compressed latent (`kv_lora_rank` wide) and the rotary part of its keys
+    (`qk_rope_head_dim`) as one head of keys and values, which its layers expand after reading them."""
     text = config.get_text_config()
+    if getattr(text, "kv_lora_rank", None) is not None:
+        return 1, text.kv_lora_rank, text.qk_rope_head_dim
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        heads = 1
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return heads, head_dim
+    return heads, head_dim, head_dim
 
 
 class PagedCache:
@@ -56,13 +65,13 @@ class PagedCache:
     def __init__(
         self, config: PretrainedConfig, kv: KvGeometry, rows: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.heads, self.head_dim = kv_shape(config)
+        self.heads, self.key_dim, self.value_dim = kv_shape(config)
         layers = config.get_text_config().num_hidden_layers
         self.block_size, self.blocks = kv.block_size, kv.blocks
-        shape = (kv.blocks, kv.block_size, self.heads, self.head_dim)
         allocate = torch.zeros if device.type == "cuda" else torch.empty
-        self.keys = [allocate(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [allocate(shape, dtype=dtype, device=device) for _ in range(layers)]
+        key_shape, value_shape = ((kv.blocks, kv.block_size, self.heads, d) for d in (self.key_dim, self.value_dim))
+        self.keys = [allocate(key_shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [allocate(value_shape, dtype=dtype, device=device) for _ in range(layers)]
         self.bytes_per_block = kv.block_size * kv.bytes_per_token
         self._zeroed = kv.blocks if device.type == "cuda" else 0  # blocks [0, _zeroed) are initialized
         self.ensure_zeroed(SCRATCH_BLOCK)
@@ -72,7 +81,10 @@ class PagedCache:
         self.tables = torch.zeros(rows + 1, self.max_blocks + 1, dtype=torch.long, device=device)
         self.device = device
         # On CUDA one kernel writes a forward's new keys and values (engine/kv_write.py); elsewhere two index writes.
-        self._one_write = device.type == "cuda" and kv_write is not None and kv_write.supported(self.head_dim)
+        self._one_write = (
+            device.type == "cuda" and kv_write is not None and self.key_dim == self.value_dim
+            and kv_write.supported(self.key_dim)
+        )  # fmt: skip
         self._kv_len = 0
         self._mode: ReadMode = "gather"
         self._writes: torch.Tensor | None = None  # flat positions of the forward's new tokens, in row-major order
@@ -118,13 +130,19 @@ class PagedCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        flat_keys = keys.view(-1, self.heads, self.head_dim)
-        flat_values = values.view(-1, self.heads, self.head_dim)
+        if key_states.shape[1::2] != keys.shape[2:] or value_states.shape[1::2] != values.shape[2:]:
+            raise ValueError(
+                f"layer {layer_idx} caches keys of {tuple(key_states.shape[1::2])} and values of "
+                f"{tuple(value_states.shape[1::2])} (heads, width), not the {tuple(keys.shape[2:])} and "
+                f"{tuple(values.shape[2:])} that its config gives (kv_cache.kv_shape)"
+            )
+        flat_keys = keys.view(-1, self.heads, self.key_dim)
+        flat_values = values.view(-1, self.heads, self.value_dim)
         if self._one_write:
             kv_write.write_kv(key_states, value_states, flat_keys, flat_values, self._writes)
         else:
-            flat_keys[self._writes] = key_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
-            flat_values[self._writes] = value_states.transpose(1, 2).reshape(-1, self.heads, self.head_dim)
+            flat_keys[self._writes] = key_states.transpose(1, 2).reshape(-1, self.heads, self.key_dim)
+            flat_values[self._writes] = value_states.transpose(1, 2).reshape(-1, self.heads, self.value_dim)
         if self._mode == "new":
             return key_states, value_states
         if self._mode == "paged":
@@ -133,7 +151,7 @@ class PagedCache:
 
     def _gather(self, pool: torch.Tensor, rows: int) -> torch.Tensor:
         """Positions [0, kv_len) of each row, from its blocks: (rows, kv_heads, kv_len, head_dim)."""
-        blocks = pool.index_select(0, self._reads).view(rows, -1, self.heads, self.head_dim)
+        blocks = pool.index_select(0, self._reads).view(rows, -1, self.heads, pool.shape[-1])
         return blocks[:, : self._kv_len].transpose(1, 2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from rbee_worker.devices import tensor_bytes
-from rbee_worker.engine.attention import use_engine_attention
+from rbee_worker.engine.attention import position_inputs, use_engine_attention
 from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
@@ -32,6 +32,7 @@ from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
 from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.dequant import CPU_DEQUANTIZE_ROWS, cpu_product_dequantizes
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
@@ -77,7 +78,10 @@ class TorchRunner:
         merge_projections(loaded.model)
         if not config.compile_model:  # inductor packs the weights of what it compiles itself
             loaded = _pack_for_cpu(loaded)
-        use_engine_attention(loaded.model)
+        use_engine_attention(loaded.model, loaded.info.context_length)
+        if loaded.info.device.type == "cuda" and getattr(loaded.model.config.get_text_config(), "kv_lora_rank", None):
+            # Its layers expand the latent they read from the cache: in a paged decode step that is the whole pool.
+            raise ModelLoadError("latent attention (kv_lora_rank) on CUDA is not served yet; on a CPU it is")
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.info.device
@@ -277,6 +281,7 @@ class TorchRunner:
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kwarg: self.cache},
+            **position_inputs(self.model, position_ids),
             **paged,
         )
         return output.logits[:, -1]

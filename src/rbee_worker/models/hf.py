@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import (
@@ -22,6 +23,7 @@ from rbee_worker.models.quantize import quantize_linears
 from rbee_worker.models.tp_loading import load_shard_weights, shard_to_load
 
 INDEX_FILE = "model.safetensors.index.json"
+LAYER_TYPES = {"full_attention", "sliding_attention"}  # the `layer_types` that the torch runtime computes
 
 
 def load_hf_directory(
@@ -107,13 +109,33 @@ def read_config(path: Path) -> PretrainedConfig:
             f"unsupported architecture {model_type!r} in {config_file}: transformers {transformers.__version__} does "
             "not know it; use a model of a supported architecture (llama, mistral, qwen2, ...) or upgrade transformers"
         )
+    check_layer_types(raw.get("layer_types"), config_file)
+    check_layer_types((raw.get("text_config") or {}).get("layer_types"), config_file)
     try:
-        return AutoConfig.from_pretrained(path)
-    except (KeyError, ValueError, TypeError, OSError) as exc:
+        config = AutoConfig.from_pretrained(path)
+    # StrictDataclassError: a field that the config class's validators refuse (checked above: layer types), whose
+    # reason is the error it wraps
+    except (KeyError, ValueError, TypeError, OSError, StrictDataclassError) as exc:
+        reason = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
         raise ModelLoadError(
-            f"unsupported model in {path}: {first_line(exc)}; rbee-worker runs what transformers' "
+            f"unsupported model in {path}: {first_line(reason)}; rbee-worker runs what transformers' "
             "AutoModelForCausalLM supports"
         ) from exc
+    check_layer_types(getattr(config.get_text_config(), "layer_types", None), config_file)  # defaults included
+    return config
+
+
+def check_layer_types(layer_types: object, config_file: Path) -> None:
+    """Raises ModelLoadError naming any layer type but full and sliding attention (LAYER_TYPES), the kinds of layer
+    the torch runtime computes: made-up ones, and those transformers knows (linear, chunked attention ...) that the
+    engine has no path for."""
+    if not isinstance(layer_types, list):
+        return
+    if unknown := sorted({str(kind) for kind in layer_types} - LAYER_TYPES):
+        raise ModelLoadError(
+            f"layer type {', '.join(unknown)} in {config_file} is not served by the torch runtime (its layers: "
+            f"{', '.join(sorted(LAYER_TYPES))})"
+        )
 
 
 def causal_lm_class(config: PretrainedConfig, path: Path) -> type:

@@ -1,0 +1,146 @@
+"""Architectures off the dense Llama path on the torch runtime, each against transformers' own `generate` on the same
+tiny random-weight model (float32, greedy): sliding windows (every layer's, Qwen2's upper layers', Gemma 3's five
+sliding layers to one full), multi-query attention in Falcon-7B's layout, DeepSeek-V3's latent attention; and what the
+engine cannot compute yet refused at load, naming it.
+
+The weights have a wide spread (initializer_range 0.5, Gemma's less) so that what a layer attends to changes the
+tokens: each windowed case checks that the same weights without the window give other tokens within the generated
+ones."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli, engine_config, greedy, make_tiny_model, submit_together
+from serving import running
+
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import Request
+from rbee_worker.models.loader import load_model
+
+WINDOW = 8
+NEW_TOKENS = 40  # prompt + output pass the window by far
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+OTHER_PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+GREEDY = SamplingParams(temperature=0.0)
+SPREAD = {"initializer_range": 0.5}
+CASES = {
+    "mistral": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    # Gemma's scaled embeddings and extra norms saturate at the others' spread: one token over and over.
+    "gemma3_text": (
+        "gemma3_text",
+        {"num_hidden_layers": 6, "sliding_window": WINDOW, "head_dim": 16, "initializer_range": 0.05},
+    ),
+    "falcon-7b": ("falcon", {"multi_query": True, "new_decoder_architecture": False, "num_kv_heads": None}),
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "num_key_value_heads": 4,
+        },
+    ),
+}  # fmt: skip
+
+
+def reference(directory: Path, prompt_ids: list[int], **config: object) -> list[int]:
+    """transformers' greedy tokens for the model in `directory` (its config changed by `config`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **config)
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_tokenizer_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    return [tokenizer(text)["input_ids"] for text in (PROMPT, OTHER_PROMPT)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path):
+    made: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in made:
+            model_type, overrides = CASES[case]
+            made[case] = make_tiny_model(
+                tmp_path_factory.mktemp(case), model_type, demo_tokenizer_dir, **{**SPREAD, **overrides}
+            )
+        return made[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[list[int]]) -> None:
+    """Alone, then four requests at once (two prompts twice: the second of each reads the first's cached blocks),
+    with prompt chunks of 4 tokens (less than the window) in blocks of 4."""
+    directory = tiny(case)
+    expected = [reference(directory, ids) for ids in prompts]
+    if "sliding_window" in CASES[case][1]:  # the window changes the tokens: the comparisons below can fail
+        assert reference(directory, prompts[0], sliding_window=512) != expected[0]  # a window as long as the context
+    config = engine_config(max_batch=4, prefill_chunk=4, block_size=4)
+    engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
+    try:
+        alone, _ = greedy(engine, prompts[0], NEW_TOKENS)
+        requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
+        together = submit_together(engine, requests)
+        _, cached = engine.prefix_cache_tokens()
+    finally:
+        engine.close()
+    assert alone == expected[0]
+    assert together == [*expected, *expected]
+    assert cached > 0
+
+
+def test_sliding_windows_over_http_give_transformers_tokens(
+    tmp_path: Path, tiny, prompts: list[list[int]], demo_tokenizer_dir: Path
+) -> None:
+    """Gemma 3's five sliding layers to one full through `serve`: four concurrent completions (two prompts twice)
+    give the text of transformers' tokens."""
+    import asyncio
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    directory = tiny("gemma3_text")
+    tokenizer = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    expected = [tokenizer.decode(reference(directory, ids), skip_special_tokens=True) for ids in prompts]
+
+    async def complete(client: httpx.AsyncClient, ids: list[int]) -> str:
+        body = {"prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    async def together(url: str) -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return list(await asyncio.gather(*(complete(client, ids) for ids in (*prompts, *prompts))))
+
+    with running(tmp_path, "--model", str(directory), "--dtype", "float32", "--max-batch", "4", fork=True) as worker:
+        got = asyncio.run(together(worker.url))
+    assert got == [*expected, *expected]
+
+
+@pytest.mark.parametrize("layer_type", ["teleported_attention", "chunked_attention"])
+def test_a_layer_type_the_engine_cannot_compute_exits_2_naming_it(
+    layer_type: str, tmp_path: Path, demo_tokenizer_dir: Path
+) -> None:
+    """A made-up layer type (which transformers' config refuses) and one that transformers knows but the engine has
+    no path for: `generate` exits 2 with one error line that names it, before any token."""
+    directory = make_tiny_model(tmp_path / "odd", "qwen3", demo_tokenizer_dir)
+    config = (directory / "config.json").read_text()
+    (directory / "config.json").write_text(config.replace('"full_attention"', f'"{layer_type}"', 1))
+    result = cli("generate", "--model", str(directory), "--prompt", "hi", "--max-tokens", "2", fork=True)
+    assert result.returncode == 2 and f"layer type {layer_type} in" in result.stderr, result.stderr
+    assert "not served by the torch runtime" in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
