@@ -1,6 +1,8 @@
 """Shared fixtures: the real demo model, a safetensors directory built from it, tiny random-weight models, and the demo
 workers that the API tests share."""
 
+import ctypes
+import gc
 import os
 import shutil
 import subprocess
@@ -165,6 +167,16 @@ def cli(
     return subprocess.run(
         [sys.executable, "-m", "rbee_worker", *args], capture_output=True, text=True, timeout=timeout, env=full_env
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def return_freed_memory() -> Iterator[None]:
+    """After each module (its own engines and workers closed), the memory this process freed goes back to the
+    system: glibc keeps freed heap memory for reuse, which the other test process (pytest-xdist) then cannot have."""
+    yield
+    gc.collect()
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(scope="session", autouse=True)

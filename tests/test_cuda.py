@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_launched_ahead_as_waiting, greedy, is_compiled, make_tiny_model, submit_together
+from test_architectures import CASES, SPREAD
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.config import EngineConfig
@@ -408,3 +409,25 @@ def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_gr
         assert sorted(json.loads(text)) == ["age", "name", "pets"]
     assert set(graphs.graphs) == captured
     assert any(any(step) for step in chained)
+
+
+@pytest.mark.parametrize("case", ["mistral", "qwen2", "gemma3_text"])
+def test_sliding_windows_on_cuda_graphs_give_the_cpu_float32_tokens(
+    case: str, tmp_path: Path, demo_tokenizer_dir: Path
+) -> None:
+    """Sliding layers on CUDA (decode steps in CUDA graphs, each window read through the paged reference) give the
+    tokens of the CPU's float32 engine, which tests/test_architectures.py holds to transformers' `generate`: alone,
+    and four requests at once."""
+    model_type, overrides = CASES[case]
+    directory = make_tiny_model(tmp_path / case, model_type, demo_tokenizer_dir, **{**SPREAD, **overrides})
+    config = EngineConfig(max_batch=4, kv_cache_bytes=64 << 20)
+    engines = [Engine(lambda d=d: load_model(str(directory), Placement(d, torch.float32)), config) for d in (CPU, CUDA)]
+    try:
+        prompts = [engines[0].tokenize(p) for p in PROMPTS[1:]]
+        expected = [greedy(engines[0], ids, 40)[0] for ids in prompts]
+        assert [greedy(engines[1], ids, 40)[0] for ids in prompts] == expected
+        requests = [Request(ids, max_tokens=40, sampling=SamplingParams(temperature=0)) for ids in prompts * 2]
+        assert submit_together(engines[1], requests) == expected * 2
+    finally:
+        for engine in engines:
+            engine.close()

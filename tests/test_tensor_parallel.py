@@ -250,13 +250,13 @@ def tiny_qwen2_2_kv_heads(tmp_path_factory: pytest.TempPathFactory, demo_tokeniz
 def test_sharded_logits_equal_the_whole_models(tiny_llama: Path, tmp_path: Path, world: int) -> None:
     result = sharded(str(tiny_llama), world, tmp_path)
     torch.testing.assert_close(result["logits"], whole_logits(str(tiny_llama)), rtol=0, atol=1e-5)
-    assert result["kv_shape"] == (6 // world, 8)  # the paged cache is sized for this rank's key/value heads only
+    assert result["kv_shape"] == (6 // world, 8, 8)  # the paged cache is sized for this rank's key/value heads only
 
 
 def test_key_value_heads_fewer_than_ranks_are_replicated(tiny_qwen2_2_kv_heads: Path, tmp_path: Path) -> None:
     result = sharded(str(tiny_qwen2_2_kv_heads), 4, tmp_path)
     torch.testing.assert_close(result["logits"], whole_logits(str(tiny_qwen2_2_kv_heads)), rtol=0, atol=1e-5)
-    assert result["kv_shape"] == (1, 8)  # one key/value head on each rank
+    assert result["kv_shape"] == (1, 8, 8)  # one key/value head on each rank
 
 
 def test_serve_over_4_ranks_with_2_key_value_heads_gives_one_process_tokens(

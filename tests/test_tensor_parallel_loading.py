@@ -111,7 +111,7 @@ def test_a_rank_holds_less_than_the_whole_model_at_its_peak(
 def test_the_demo_directory_loads_as_3_shards_that_compute_its_logits(demo_hf_dir: Path, tmp_path: Path) -> None:
     result = sharded(str(demo_hf_dir), 3, tmp_path)
     torch.testing.assert_close(result["logits"], whole_logits(str(demo_hf_dir)), rtol=0, atol=1e-4)
-    assert result["kv_shape"] == (1, 64)  # 3 key/value heads, one a rank
+    assert result["kv_shape"] == (1, 64, 64)  # 3 key/value heads, one a rank
 
 
 @pytest.mark.parametrize("quantize", ["int4", "none"])
