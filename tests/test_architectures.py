@@ -29,6 +29,14 @@ SPREAD = {"initializer_range": 0.5}
 CASES = {
     "mistral": ("mistral", {"sliding_window": WINDOW}),
     "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    # Its layers set the window on the module and pass none to attention; its first layer slides.
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        },
+    ),
     # Gemma's scaled embeddings and extra norms saturate at the others' spread: one token over and over.
     "gemma3_text": (
         "gemma3_text",

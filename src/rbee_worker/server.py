@@ -53,6 +53,7 @@ POLL_S = 0.05
 CANCELLED_STREAMS_GRACE_S = 5.0  # after a drain cancels what is left, how long its streams get to send the end
 SHUTDOWN_GRACE_S = 5.0  # then how long uvicorn waits for connections to close
 FAULT_STREAMS_GRACE_S = 3.0  # after a device fault, how long the failed requests' streams get to send their error
+FAULT_HEALTH_S = 1.0  # and the least time /health then answers 503 `unhealthy` (with the reason) before the exit
 RANK_FAULT_GRACE_S = 10.0  # after a tensor-parallel rank's exit, how long the engine gets to stop before the process
 
 
@@ -268,13 +269,15 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
 
     async def watch_for_fault() -> None:
         """Once the device has failed (the engine has failed every request and stopped): report it to the pool
-        manager at once, give the failed requests' streams a moment to send their error, then stop the worker with
-        an error, so that the pool manager starts another."""
+        manager at once, give the failed requests' streams a moment to send their error (and whoever polls /health
+        FAULT_HEALTH_S to read why), then stop the worker with an error, so that the pool manager starts another."""
         while engine.fault is None:
             await asyncio.sleep(POLL_S)
+        failed_at = time.monotonic()
         if config.heartbeat_url and (error := await send_heartbeat(config.heartbeat_url, heartbeat_status())):
             log.warning("the unhealthy heartbeat to %s failed: %s", config.heartbeat_url, error)
         await until(lambda: not state.open_streams, FAULT_STREAMS_GRACE_S, None)
+        await asyncio.sleep(max(0.0, FAULT_HEALTH_S - (time.monotonic() - failed_at)))
         failures.insert(0, DeviceFault(engine.fault_message()))
         server.should_exit = True
 

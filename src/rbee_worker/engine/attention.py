@@ -25,7 +25,7 @@ its position in gathered and first-chunk reads), or from `kv_lengths` for the pa
 import importlib.util
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rbee_worker.errors import ModelLoadError
@@ -50,7 +50,8 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     rows, heads, q_len, head_dim = query.shape
     plain = dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
-    window = kwargs.get("sliding_window")
+    # Passed by the layer (most models), or only set on a sliding layer's module (Qwen2-MoE); 0 is none.
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
     tables = kwargs.get("kv_block_tables")
     if tables is not None:  # the paged cache's pool: [blocks, block_size, kv_heads, head_dim]
         assert plain, "paged decode steps run without softcap or biases"
@@ -96,9 +97,12 @@ def windowed(mask: torch.Tensor, query_positions: torch.Tensor, key_len: int, wi
 def position_inputs(model: torch.nn.Module, positions: torch.Tensor) -> dict[str, torch.Tensor]:
     """The forward's extra arguments for sliding layers: its query positions ([rows, q_len], -1 for padding) where the
     model's config has a window (see the module docstring); nothing otherwise."""
-    if getattr(model.config.get_text_config(), "sliding_window", None) is None:
-        return {}
-    return {"query_positions": positions}
+    return {} if config_window(model.config) is None else {"query_positions": positions}
+
+
+def config_window(config: PretrainedConfig) -> int | None:
+    """The sliding window of the model's config, None where it has none (Qwen2-MoE's config says 0 for none)."""
+    return getattr(config.get_text_config(), "sliding_window", None) or None
 
 
 def paged_reference(
@@ -144,7 +148,7 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
         AttentionInterface.register(NAME, attention)
         model.set_attn_implementation(NAME)
         ours = model.config._attn_implementation == NAME
-    window = getattr(text, "sliding_window", None)
+    window = config_window(model.config)
     if not ours and window is not None and window < context_length:
         raise ModelLoadError(
             f"{text.model_type}: a sliding window of {window} tokens under transformers' "

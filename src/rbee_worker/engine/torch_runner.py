@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from rbee_worker.devices import tensor_bytes
-from rbee_worker.engine.attention import position_inputs, use_engine_attention
+from rbee_worker.engine.attention import config_window, position_inputs, use_engine_attention
 from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
@@ -332,7 +332,7 @@ class TorchRunner:
             self.graphs.warm_up()
             # Not for a model with sliding layers: its first chunks replayed as graphs give other logits than eagerly
             # (bench/results/README.md, issue 42), so they run eagerly.
-            if getattr(self.model.config.get_text_config(), "sliding_window", None) is None:
+            if config_window(self.model.config) is None:
                 self.prefill_graphs = PrefillGraphs(
                     self.model, self.cache, self.cache_kwarg, self.dtype, self.config.prefill_chunk, self.graphs.pool
                 )
