@@ -77,8 +77,7 @@ def machine() -> dict:
 async def stream_completion(url: str, prompt: list[int], tokens: int, sampling: dict) -> Stream:
     """One streamed completion on a connection of its own, read with asyncio's streams: HTTP/1.1, the chunked body
     cut into SSE lines here. The client shares the host's cores with the model, so what it costs per chunk weighs on
-    the worker's figures; a client library's stream reading costs several times this (httpx: 0.2-0.4 ms of CPU per
-    chunk)."""
+    the worker's figures; a client library's stream reading costs several times this (bench/results/README.md)."""
     address = urlsplit(url)
     body = json.dumps(
         {

@@ -94,12 +94,6 @@ def windowed(mask: torch.Tensor, query_positions: torch.Tensor, key_len: int, wi
     return mask.masked_fill(outside, torch.finfo(mask.dtype).min)
 
 
-def position_inputs(model: torch.nn.Module, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The forward's extra arguments for sliding layers: its query positions ([rows, q_len], -1 for padding) where the
-    model's config has a window (see the module docstring); nothing otherwise."""
-    return {} if config_window(model.config) is None else {"query_positions": positions}
-
-
 def config_window(config: PretrainedConfig) -> int | None:
     """The sliding window of the model's config, None where it has none (Qwen2-MoE's config says 0 for none)."""
     return getattr(config.get_text_config(), "sliding_window", None) or None

@@ -16,7 +16,6 @@ from typing import TypeVar
 
 import torch
 
-from rbee_worker.engine.attention import position_inputs
 from rbee_worker.engine.kv_cache import PagedCache, prefill_mask
 from rbee_worker.engine.runner import DecodeRow
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, PACKED_WIDTH, SamplerFeatures, SamplerState, pack, sample
@@ -285,7 +284,6 @@ class PrefillGraphs:
                 use_cache=True,
                 logits_to_keep=self.last,
                 **{self.cache_kwarg: self.cache},
-                **position_inputs(self.model, positions),
             )
             return output.logits[:, -1]
 

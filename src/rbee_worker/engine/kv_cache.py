@@ -50,13 +50,18 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     `kv_lora_rank`) caches its compressed latent (`kv_lora_rank` wide) and the rotary part of its keys
     (`qk_rope_head_dim`) as one head of keys and values, which its layers expand after reading them."""
     text = config.get_text_config()
-    if getattr(text, "kv_lora_rank", None) is not None:
+    if caches_latent(config):
         return 1, text.kv_lora_rank, text.qk_rope_head_dim
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
         heads = 1
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return heads, head_dim, head_dim
+
+
+def caches_latent(config: PretrainedConfig) -> bool:
+    """Whether the model's layers cache a compressed latent (latent attention: `kv_lora_rank`; see kv_shape)."""
+    return getattr(config.get_text_config(), "kv_lora_rank", None) is not None
 
 
 class PagedCache:

@@ -20,14 +20,14 @@ from collections.abc import Sequence
 import torch
 
 from rbee_worker.devices import tensor_bytes
-from rbee_worker.engine.attention import config_window, position_inputs, use_engine_attention
+from rbee_worker.engine.attention import config_window, use_engine_attention
 from rbee_worker.engine.compiled import compile_model, uncompile_model
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
-from rbee_worker.engine.kv_cache import PagedCache, decode_mask, kv_bytes_per_token, prefill_mask
+from rbee_worker.engine.kv_cache import PagedCache, caches_latent, decode_mask, kv_bytes_per_token, prefill_mask
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
@@ -79,9 +79,11 @@ class TorchRunner:
         if not config.compile_model:  # inductor packs the weights of what it compiles itself
             loaded = _pack_for_cpu(loaded)
         use_engine_attention(loaded.model, loaded.info.context_length)
-        if loaded.info.device.type == "cuda" and getattr(loaded.model.config.get_text_config(), "kv_lora_rank", None):
+        if loaded.info.device.type == "cuda" and caches_latent(loaded.model.config):
             # Its layers expand the latent they read from the cache: in a paged decode step that is the whole pool.
             raise ModelLoadError("latent attention (kv_lora_rank) on CUDA is not served yet; on a CPU it is")
+        # Sliding layers read the forwards' query positions (engine/attention.py); other models get none.
+        self._sliding = config_window(loaded.model.config) is not None
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.info.device
@@ -281,7 +283,7 @@ class TorchRunner:
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kwarg: self.cache},
-            **position_inputs(self.model, position_ids),
+            **({"query_positions": position_ids} if self._sliding else {}),
             **paged,
         )
         return output.logits[:, -1]
@@ -332,7 +334,7 @@ class TorchRunner:
             self.graphs.warm_up()
             # Not for a model with sliding layers: its first chunks replayed as graphs give other logits than eagerly
             # (bench/results/README.md, issue 42), so they run eagerly.
-            if config_window(self.model.config) is None:
+            if not self._sliding:
                 self.prefill_graphs = PrefillGraphs(
                     self.model, self.cache, self.cache_kwarg, self.dtype, self.config.prefill_chunk, self.graphs.pool
                 )
