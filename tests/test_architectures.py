@@ -1,7 +1,8 @@
 """Architectures off the dense Llama path on the torch runtime, each against transformers' own `generate` on the same
 tiny random-weight model (float32, greedy): sliding windows (every layer's, Qwen2's upper layers', Gemma 3's five
-sliding layers to one full), multi-query attention in Falcon-7B's layout, DeepSeek-V3's latent attention; and what the
-engine cannot compute yet refused at load, naming it.
+sliding layers to one full, and under transformers' eager attention Gemma 2's soft-capped and gpt-oss's sink-weighted
+alternate layers), multi-query attention in Falcon-7B's layout, DeepSeek-V3's latent attention; and what the engine
+cannot compute yet refused at load, naming it.
 
 The weights have a wide spread (initializer_range 0.5, Gemma's less) so that what a layer attends to changes the
 tokens: each windowed case checks that the same weights without the window give other tokens within the generated
@@ -13,11 +14,14 @@ import pytest
 import torch
 from conftest import cli, engine_config, greedy, make_tiny_model, submit_together
 from serving import running
+from test_engine import cpu_graphs  # noqa: F401 -- the fixture
 
 from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.attention import use_engine_attention
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
+from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.loader import load_model
 
 WINDOW = 8
@@ -42,6 +46,19 @@ CASES = {
         "gemma3_text",
         {"num_hidden_layers": 6, "sliding_window": WINDOW, "head_dim": 16, "initializer_range": 0.05},
     ),
+    # Eager attention only (transformers has no sdpa for them), each window on alternate layers, the first sliding:
+    # Gemma 2's soft-capped logits (a cap and a query_pre_attn_scalar that make the cap change the tokens) and gpt-oss's
+    # attention sinks and experts.
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": WINDOW, "head_dim": 16, "initializer_range": 0.05, "query_pre_attn_scalar": 1,
+            "attn_logit_softcapping": 2.0,
+        },
+    ),
+    "gpt_oss": (
+        "gpt_oss", {"sliding_window": WINDOW, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}
+    ),
     "falcon-7b": ("falcon", {"multi_query": True, "new_decoder_architecture": False, "num_kv_heads": None}),
     "deepseek_v3": (
         "deepseek_v3",
@@ -54,11 +71,15 @@ CASES = {
 }  # fmt: skip
 
 
-def reference(directory: Path, prompt_ids: list[int], **config: object) -> list[int]:
-    """transformers' greedy tokens for the model in `directory` (its config changed by `config`)."""
+def reference(directory: Path, prompt_ids: list[int], sinks: bool = True, **config: object) -> list[int]:
+    """transformers' greedy tokens for the model in `directory` (its config changed by `config`; without `sinks`,
+    gpt-oss's attention sinks set to a logit that takes no weight)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **config)
+    if not sinks:
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(-1e4)
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -96,6 +117,10 @@ def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[lis
     expected = [reference(directory, ids) for ids in prompts]
     if "sliding_window" in CASES[case][1]:  # the window changes the tokens: the comparisons below can fail
         assert reference(directory, prompts[0], sliding_window=512) != expected[0]  # a window as long as the context
+    if case == "gemma2":  # so do the soft-capping and the sinks
+        assert reference(directory, prompts[0], attn_logit_softcapping=None) != expected[0]
+    if case == "gpt_oss":
+        assert reference(directory, prompts[0], sinks=False) != expected[0]
     config = engine_config(max_batch=4, prefill_chunk=4, block_size=4)
     engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
     try:
@@ -108,6 +133,27 @@ def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[lis
     assert alone == expected[0]
     assert together == [*expected, *expected]
     assert cached > 0
+
+
+@pytest.mark.usefixtures("cpu_graphs")
+@pytest.mark.parametrize("case", ["gemma2", "gpt_oss"])
+def test_decode_graphs_read_windows_from_the_paged_pool(case: str, tiny, prompts: list[list[int]]) -> None:
+    """Decode steps through DecodeGraphs on the CPU (test_engine.cpu_graphs), whose attention reads the paged pool
+    through the block tables (CUDA's decode path), give transformers' tokens under eager attention's windows, alone
+    and four requests at once."""
+    directory = tiny(case)
+    expected = [reference(directory, ids) for ids in prompts]
+    config = engine_config(max_batch=4, block_size=4, cuda_graphs=True)
+    engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
+    try:
+        assert engine.loaded and engine._runner.graphs is not None
+        alone, _ = greedy(engine, prompts[0], NEW_TOKENS)
+        requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
+        together = submit_together(engine, requests)
+    finally:
+        engine.close()
+    assert alone == expected[0]
+    assert together == [*expected, *expected]
 
 
 def test_sliding_windows_over_http_give_transformers_tokens(
@@ -137,6 +183,19 @@ def test_sliding_windows_over_http_give_transformers_tokens(
     with running(tmp_path, "--model", str(directory), "--dtype", "float32", "--max-batch", "4", fork=True) as worker:
         got = asyncio.run(together(worker.url))
     assert got == [*expected, *expected]
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gpt_oss"])
+def test_an_eager_window_on_cuda_is_refused_naming_it(case: str, tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window under transformers' eager attention on CUDA, a path no test has run on a GPU yet, is refused at load
+    (ModelLoadError: exit 2) naming the model type and CUDA; the model is taken for one on CUDA here."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny(case), dtype=torch.float32)
+    assert model.config._attn_implementation == "eager"
+    monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
+    with pytest.raises(ModelLoadError, match=f"^{case}: a sliding window under transformers' eager .* on CUDA"):
+        use_engine_attention(model, 512)
 
 
 @pytest.mark.parametrize("layer_type", ["teleported_attention", "chunked_attention"])

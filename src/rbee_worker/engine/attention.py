@@ -20,9 +20,18 @@ A sliding layer (transformers hands its attention `sliding_window`: Mistral, Gem
 from the forward's `query_positions` (the runner passes them for a model whose config has a window; a key's index is
 its position in gathered and first-chunk reads), or from `kv_lengths` for the paged cache, read by paged_reference
 (the paged kernel takes no window).
+
+A model whose transformers class computes attention only eagerly (Gemma 2's logit soft-capping, gpt-oss's attention
+sinks: no sdpa) gets `eager_attention` instead: the same window applied to the engine's mask, then the model's own
+`eager_attention_forward`, so that soft-capping, `query_pre_attn_scalar` and sinks stay transformers' arithmetic. On
+a CPU it serves every path the engine has (gathered prompt chunks and decode steps, first chunks, prefix-cache hits,
+the paged pool of decode graphs, which it gathers through the tables as paged_reference does); on CUDA such a model
+is refused at load (`use_engine_attention`).
 """
 
 import importlib.util
+import sys
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
@@ -36,6 +45,7 @@ else:
     decode_attention = None
 
 NAME = "rbee_sdpa"
+EAGER_NAME = "rbee_eager"
 
 
 def attention(
@@ -108,44 +118,117 @@ def paged_reference(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """What the paged decode kernel computes, in plain torch: every position of each row's whole table gathered, the
-    ones past its length masked (a row of length 0 sees position 0), and with a `window` those at or before its last
-    position - window. Slow; for devices without the kernel (tests of the graph path on a CPU), dtypes it does not
-    take, and sliding layers."""
-    heads = query.shape[1]
+    """What the paged decode kernel computes, in plain torch (see paged_gather). Slow; for devices without the kernel
+    (tests of the graph path on a CPU), dtypes it does not take, and sliding layers."""
+    keys, values, mask = paged_gather(key_pool, value_pool, tables, lengths, query.dtype, window)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+    )
+    return output.transpose(1, 2)
+
+
+def paged_gather(
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's keys and values read from the paged pool ([blocks, block_size, kv_heads, head_dim]): every
+    position of each row's whole table gathered, as `[rows, kv_heads, span, head_dim]`, and the additive mask
+    (`[rows, 1, 1, span]`) that hides the ones past its length (a row of length 0 sees position 0) and, with a
+    `window`, those at or before its last position - window."""
     block_size, kv_heads = key_pool.shape[1], key_pool.shape[2]
     span = tables.shape[1] * block_size
-    positions = torch.arange(span, device=query.device)
+    positions = torch.arange(span, device=key_pool.device)
     flat = tables.long()[:, positions // block_size] * block_size + positions % block_size
     keys = key_pool.reshape(-1, kv_heads, key_pool.shape[3])[flat].transpose(1, 2)
     values = value_pool.reshape(-1, kv_heads, value_pool.shape[3])[flat].transpose(1, 2)
     visible = positions[None, :] < lengths.clamp(min=1)[:, None]
     if window is not None:
         visible &= positions[None, :] > lengths[:, None] - 1 - window
-    mask = torch.where(visible, 0.0, torch.finfo(query.dtype).min).to(query.dtype)[:, None, None, :]
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+    mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
+    return keys, values, mask
+
+
+def eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of a model that transformers computes eagerly (see the module docstring): the layer's window
+    applied to the engine's mask (from the forward's `query_positions`, or read from the paged pool through
+    `kv_block_tables` / `kv_lengths`), then the model's own eager function with everything the layer passed (its
+    scaling, `softcap`, `s_aux` ...)."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
+    tables = kwargs.get("kv_block_tables")
+    if tables is not None:  # the paged cache's pool: this row's keys and values gathered through its table
+        key, value, attention_mask = paged_gather(key, value, tables, kwargs["kv_lengths"], query.dtype, window)
+    elif window is not None:
+        attention_mask = windowed(attention_mask, kwargs["query_positions"], key.shape[2], window)
+    return own_eager_function(module)(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
-    return output.transpose(1, 2)
+
+
+def own_eager_function(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The `eager_attention_forward` of the modeling module that defines the attention layer `module` (the function
+    transformers calls for it under "eager"), found at load (`use_engine_attention`)."""
+    return _EAGER_FUNCTIONS[type(module)]
+
+
+_EAGER_FUNCTIONS: dict[type, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
-    """Route the model's attention through `attention` when it uses transformers' sdpa (the default); False and
-    unchanged otherwise (eager or flash attention, as the model class or the caller asks). Raises ModelLoadError for
-    an attention that the engine would compute otherwise than transformers: chunked attention (Llama 4), and a window
-    shorter than the context outside the engine's attention (models/hf.py refuses other layer types)."""
+    """Route the model's attention through `attention` when it uses transformers' sdpa (the default), through
+    `eager_attention` when it uses transformers' eager attention and has a window shorter than the context (Gemma 2,
+    gpt-oss); False and unchanged otherwise (flash attention, or eager without a window, as the model class or the
+    caller asks). Raises ModelLoadError for an attention that the engine would compute otherwise than transformers:
+    chunked attention (Llama 4), a window outside sdpa and eager, an eager attention layer whose modeling module has
+    no `eager_attention_forward`, and an eager model with a window on CUDA (models/hf.py refuses other layer
+    types)."""
     text = model.config.get_text_config()
     if getattr(text, "attention_chunk_size", None) is not None:
         raise ModelLoadError(f"{text.model_type}: chunked attention (attention_chunk_size) is not served yet")
-    ours = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    if ours:
+    implementation = getattr(model.config, "_attn_implementation", None)
+    window = config_window(model.config)
+    sliding = window is not None and window < context_length
+    if implementation == "sdpa":
         AttentionInterface.register(NAME, attention)
         model.set_attn_implementation(NAME)
-        ours = model.config._attn_implementation == NAME
-    window = config_window(model.config)
-    if not ours and window is not None and window < context_length:
+        if model.config._attn_implementation == NAME:
+            return True
+    elif implementation == "eager" and sliding:
+        if model.device.type == "cuda":
+            raise ModelLoadError(
+                f"{text.model_type}: a sliding window under transformers' eager attention (soft-capping, attention "
+                "sinks) on CUDA is not served yet; on a CPU it is"
+            )
+        # transformers' attention layers, by its naming (Gemma2Attention, GptOssAttention), each with the function
+        # that its modeling module defines for eager attention.
+        layers = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")}
+        found = {kind: getattr(sys.modules[kind.__module__], "eager_attention_forward", None) for kind in layers}
+        lacking = sorted(kind.__name__ for kind, function in found.items() if not callable(function))
+        if lacking or not found:
+            raise ModelLoadError(
+                f"{text.model_type}: a sliding window under transformers' eager attention of "
+                f"{', '.join(lacking) or 'its layers'} (no eager_attention_forward beside them) is not served yet"
+            )
+        _EAGER_FUNCTIONS.update(found)
+        AttentionInterface.register(EAGER_NAME, eager_attention)
+        model.set_attn_implementation(EAGER_NAME)
+        if model.config._attn_implementation == EAGER_NAME:
+            return True
+    if sliding:
         raise ModelLoadError(
             f"{text.model_type}: a sliding window of {window} tokens under transformers' "
-            f"{model.config._attn_implementation} attention is not served yet (only under sdpa's)"
+            f"{model.config._attn_implementation} attention is not served yet (only under sdpa's and eager's)"
         )
-    return ours
+    return False
