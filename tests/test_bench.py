@@ -8,7 +8,7 @@ import pytest
 from conftest import cli
 
 from rbee_worker.benchmark.llama_cpp import batched_decode
-from rbee_worker.benchmark.run import combine, ratios
+from rbee_worker.benchmark.run import combine, paired_figures, ratios
 
 
 def test_rounds_combine_by_median_and_join_runs() -> None:
@@ -40,6 +40,33 @@ def test_ratios_pair_each_peer_figure_with_the_workers() -> None:
         "aggregate_ratio_vs_rbee-torch@1": 2.0,
         "aggregate_ratio_vs_rbee-torch@16": 2.0,
     }
+
+
+def test_a_paired_peers_ratio_is_the_median_of_its_pairs() -> None:
+    """The bare loop's runs, one a call after each of the worker's, joined in order; each ratio is the median of the
+    pairs' ratios (1.0, 0.5, 0.9 at 4 streams: 0.9), where the medians' ratio would be 100 / 100 = 1.0."""
+    worker = {
+        "decode_tok_s": 100.0,
+        "aggregate_tok_s": {"4": 100.0},
+        "runs": {"aggregate_tok_s@4": [100.0, 50.0, 135.0]},
+    }
+    bare = [
+        {"aggregate_tok_s": {"4": rate}, "decode_aggregate_tok_s": {"4": rate + 10}, "runs": {}}
+        for rate in (100.0, 100.0, 150.0)
+    ]  # fmt: skip
+    figures = paired_figures({"decode_tok_s": 50.0, "runs": {"decode_tok_s": [50.0]}}, bare)
+    assert figures["runs"] == {
+        "decode_tok_s": [50.0],
+        "aggregate_tok_s@4": [100.0, 100.0, 150.0],
+        "decode_aggregate_tok_s@4": [110.0, 110.0, 160.0],
+    }
+    assert figures["aggregate_tok_s"] == {"4": 100.0}
+    assert figures["decode_aggregate_tok_s"] == {"4": 110.0}
+    assert ratios(worker, {"llama.cpp": figures}) == {
+        "decode_ratio_vs_llama.cpp": 2.0,
+        "aggregate_ratio_vs_llama.cpp@4": 0.9,
+    }
+    assert paired_figures({"decode_tok_s": 50.0}, [*bare, {"error": "crashed"}]) == {"error": "crashed"}
 
 
 def test_bench_rejects_fewer_than_one_round_or_repeat() -> None:

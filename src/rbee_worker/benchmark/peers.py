@@ -22,6 +22,9 @@ import time
 from typing import Any
 
 PEERS = ("transformers", "transformers-static", "transformers-cb", "llama.cpp")
+# The llama.cpp peer's several-stream figures alone (batched_figures), which the bench runs between the worker's own
+# runs at each concurrency (benchmark/run.py).
+BARE_LOOP = "llama.cpp-batched"
 # Peers that are rbee-worker itself with other flags, served and measured as the worker is (benchmark/run.py): the
 # torch runtime where the worker's default picks llama.cpp (a GGUF file on a CPU).
 WORKER_PEERS = {"rbee-torch": ["--runtime=torch"]}
@@ -134,7 +137,7 @@ def run_transformers_cb(args: argparse.Namespace, spec: dict) -> dict:
 
 
 def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
-    from rbee_worker.benchmark.llama_cpp import batched_decode, has_amx, open_llama
+    from rbee_worker.benchmark.llama_cpp import has_amx, open_llama
 
     threads = spec.get("threads") or None
     options = {"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
@@ -163,7 +166,7 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
         llm.close()
         llm = open_llama(args.model, plain_buffers=True, **options)
     ttft = [generate(llm, spec["long_prompt"], 2)[0] for _ in range(spec["repeats"])]
-    result = {
+    result: dict = {
         "decode_tok_s": statistics.median(decode),
         "ttft_s": statistics.median(ttft),
         "runs": {"decode_tok_s": decode, "ttft_s": ttft},
@@ -174,15 +177,23 @@ def run_llama_cpp(args: argparse.Namespace, spec: dict) -> dict:
         result["plain_decode_tok_s"] = statistics.median(plain)
         result["runs"]["plain_decode_tok_s"] = plain
     llm.close()
-    # Several streams: llama.cpp's own batched decode (a bare llama_decode loop, one sequence per stream, sampling as
-    # the spec says with llama.cpp's own samplers), the most a server on llama.cpp's runtime can reach:
-    # aggregate_tok_s over the same work as the worker's (the prompts and every token), decode_aggregate_tok_s over
-    # the decode steps alone.
-    result["aggregate_tok_s"], result["decode_aggregate_tok_s"] = {}, {}
+    batched = batched_figures(args, spec)
+    result["runs"] |= batched.pop("runs")
+    return result | batched
+
+
+def batched_figures(args: argparse.Namespace, spec: dict) -> dict:
+    """Several streams: llama.cpp's own batched decode (a bare llama_decode loop, one sequence per stream, sampling as
+    the spec says with llama.cpp's own samplers), the most a server on llama.cpp's runtime can reach, --repeats runs
+    at each of the spec's concurrencies: aggregate_tok_s over the same work as the worker's (the prompts and every
+    token), decode_aggregate_tok_s over the decode steps alone."""
+    from rbee_worker.benchmark.llama_cpp import batched_decode
+
+    result: dict = {"aggregate_tok_s": {}, "decode_aggregate_tok_s": {}, "runs": {}}
     for concurrency in spec["concurrency"]:
         prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
         runs = [
-            batched_decode(args.model, threads, prompts, spec["gen_tokens"], spec["sampling"])
+            batched_decode(args.model, spec.get("threads") or None, prompts, spec["gen_tokens"], spec["sampling"])
             for _ in range(spec["repeats"])
         ]
         for figure in ("aggregate_tok_s", "decode_aggregate_tok_s"):
@@ -201,7 +212,7 @@ def sync(device: Any) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("peer", choices=PEERS)
+    parser.add_argument("peer", choices=[*PEERS, BARE_LOOP])
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -216,6 +227,8 @@ def main() -> None:
         result = run_transformers_cb(args, spec)
     elif args.peer == "llama.cpp":
         result = run_llama_cpp(args, spec)
+    elif args.peer == BARE_LOOP:
+        result = batched_figures(args, spec)
     else:
         result = run_transformers(args, spec, static=args.peer == "transformers-static")
     print(json.dumps(result))

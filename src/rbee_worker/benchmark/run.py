@@ -9,11 +9,15 @@ with --sampling's temperature and top_p, prompt given as token ids, `ignore_eos`
 - aggregate tokens/s at each --concurrency: all generated tokens / (last end - first start).
 
 Each is the median of --repeats runs. Peers (peers.py) run one per fresh process on the same weights, dtype and
-prompt ids. With --rounds N the worker and every peer are measured in turn N times (worker, peers, worker, ...), so
-a machine whose speed drifts (a shared VM) weighs on all of them alike: each figure is then the median over the
-rounds, and each ratio the median of the rounds' own ratios. Results go to bench_<model>_..._<machine>.json and .md,
-with the machine and card named, in --out: by default a new directory rbee-bench-<date>-<time> in the current
-directory, so that a run never overwrites the results recorded in bench/results (written there only when asked).
+prompt ids. The llama.cpp peer's several streams (its bare batched `llama_decode` loop) run between the worker's own
+runs, each right after the worker's run at the same concurrency, while the worker idles: on a machine whose speed
+drifts within a minute (a shared VM), a pair measured seconds apart sees the same machine, so each ratio to the bare
+loop is the median of its pairs' ratios. With --rounds N the worker and every peer are measured in turn N times
+(worker, peers, worker, ...), so a machine whose speed drifts weighs on all of them alike: each figure is then the
+median over the rounds, and each ratio the median of the rounds' own ratios. Results go to
+bench_<model>_..._<machine>.json and .md, with the machine and card named, in --out: by default a new directory
+rbee-bench-<date>-<time> in the current directory, so that a run never overwrites the results recorded in
+bench/results (written there only when asked).
 """
 
 import argparse
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from rbee_worker.benchmark.peers import CONCURRENCY, SAMPLING, WORKER_PEERS
+from rbee_worker.benchmark.peers import BARE_LOOP, CONCURRENCY, SAMPLING, WORKER_PEERS
 
 TEXT = (
     "The history of the river town begins with the old stone bridge, built by farmers who needed a way to bring "
@@ -119,7 +123,9 @@ async def stream_completion(url: str, prompt: list[int], tokens: int, sampling: 
     return Stream(started, first, ended, count)
 
 
-async def measure_worker(url: str, spec: dict) -> dict:
+async def measure_worker(url: str, spec: dict, between: Callable[[int], object] | None = None) -> dict:
+    """The worker's figures (see the module docstring); `between(concurrency)` is called after each of its runs of
+    several streams, while it idles (the bare loop of the pair)."""
     repeats, gen = spec["repeats"], spec["gen_tokens"]
 
     def complete(prompt: list[int], tokens: int) -> Awaitable[Stream]:
@@ -136,20 +142,23 @@ async def measure_worker(url: str, spec: dict) -> dict:
         s = await complete(spec["short_prompt"], gen)
         decode.append((s.tokens - 1) / (s.ended - s.first))
     aggregate: dict[str, float] = {}
+    runs: dict[str, list[float]] = {"ttft_s": ttft, "decode_tok_s": decode}
     for concurrency in spec["concurrency"]:
-        runs = []
+        rates = runs[f"aggregate_tok_s@{concurrency}"] = []
         for _ in range(repeats):
             prompts = [spec["short_prompt"] + [i] for i in spec["distinct_ids"][:concurrency]]
             streams = await asyncio.gather(*(complete(p, gen) for p in prompts))
             wall = max(s.ended for s in streams) - min(s.started for s in streams)
-            runs.append(sum(s.tokens for s in streams) / wall)
-        aggregate[str(concurrency)] = statistics.median(runs)
+            rates.append(sum(s.tokens for s in streams) / wall)
+            if between is not None:
+                between(concurrency)
+        aggregate[str(concurrency)] = statistics.median(rates)
     return {
         "ttft_s": statistics.median(ttft),
         "prefill_tok_s": len(spec["long_prompt"]) / statistics.median(ttft),
         "decode_tok_s": statistics.median(decode),
         "aggregate_tok_s": aggregate,
-        "runs": {"ttft_s": ttft, "decode_tok_s": decode},
+        "runs": runs,
     }
 
 
@@ -286,15 +295,18 @@ def read_bandwidth(device: str) -> float:
     return 2**32 / statistics.median(times[1:])
 
 
-def serve_and_measure(args: argparse.Namespace, spec: dict, flags: list[str]) -> dict:
-    """A `serve` process with --worker-flag's flags and `flags`, measured through its HTTP API, then stopped."""
+def serve_and_measure(
+    args: argparse.Namespace, spec: dict, flags: list[str], between: Callable[[int], object] | None = None
+) -> dict:
+    """A `serve` process with --worker-flag's flags and `flags`, measured through its HTTP API (`between`: see
+    measure_worker), then stopped."""
     with tempfile.TemporaryDirectory() as scratch:
         log_path = Path(scratch) / "worker.log"
         process, url, startup_s = start_worker(
             argparse.Namespace(**{**vars(args), "worker_flag": [*args.worker_flag, *flags]}), log_path
         )
         try:
-            figures = asyncio.run(measure_worker(url, spec)) | {"startup_s": startup_s}
+            figures = asyncio.run(measure_worker(url, spec, between)) | {"startup_s": startup_s}
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -302,20 +314,48 @@ def serve_and_measure(args: argparse.Namespace, spec: dict, flags: list[str]) ->
 
 
 def measure_round(args: argparse.Namespace, spec: dict) -> dict:
-    """The worker, then each peer, once: {"rbee-worker": figures, "peers": {peer: figures}}."""
-    return {
-        "rbee-worker": serve_and_measure(args, spec, []),
-        "peers": {
-            peer: serve_and_measure(args, spec, WORKER_PEERS[peer])
-            if peer in WORKER_PEERS
-            else run_peer(peer, args, spec)
-            for peer in args.peers
-        },
-    }
+    """The worker, then each peer, once: {"rbee-worker": figures, "peers": {peer: figures}}. The llama.cpp peer's
+    several streams run between the worker's runs (the module docstring), its batch-1 figures after the worker."""
+    bare: list[dict] = []
+
+    def bare_loop(concurrency: int) -> None:
+        bare.append(run_peer(BARE_LOOP, args, spec | {"concurrency": [concurrency], "repeats": 1}))
+
+    paired = "llama.cpp" in args.peers and spec["concurrency"]
+    worker = serve_and_measure(args, spec, [], bare_loop if paired else None)
+    peers = {}
+    for peer in args.peers:
+        if peer in WORKER_PEERS:
+            peers[peer] = serve_and_measure(args, spec, WORKER_PEERS[peer])
+        elif peer == "llama.cpp" and paired:
+            peers[peer] = paired_figures(run_peer(peer, args, spec | {"concurrency": []}), bare)
+        else:
+            peers[peer] = run_peer(peer, args, spec)
+    return {"rbee-worker": worker, "peers": peers}
+
+
+def paired_figures(figures: dict, bare: list[dict]) -> dict:
+    """The llama.cpp peer's batch-1 figures with its bare loop's runs (one a call, in the order run) joined in as if
+    measured by one process, and `paired` set; the first error, if any."""
+    if failed := next((f for f in [figures, *bare] if "error" in f), None):
+        return failed
+    figures = figures | {"paired": True, "runs": dict(figures.get("runs", {}))}
+    for run in bare:
+        for figure in ("aggregate_tok_s", "decode_aggregate_tok_s"):
+            for concurrency, value in run[figure].items():
+                figures["runs"].setdefault(f"{figure}@{concurrency}", []).append(value)
+    for figure in ("aggregate_tok_s", "decode_aggregate_tok_s"):
+        figures[figure] = {
+            key.split("@")[1]: statistics.median(values)
+            for key, values in figures["runs"].items()
+            if key.startswith(f"{figure}@")
+        }
+    return figures
 
 
 def ratios(worker: dict, peers: dict) -> dict[str, float]:
-    """The worker's figures over the peers': decode tok/s, and aggregate tok/s at each concurrency both measured."""
+    """The worker's figures over the peers': decode tok/s, and aggregate tok/s at each concurrency both measured; for
+    a peer whose runs were `paired` with the worker's (run right after each), the median of the pairs' ratios."""
     out = {}
     for peer, figures in peers.items():
         if "decode_tok_s" in figures:
@@ -323,7 +363,13 @@ def ratios(worker: dict, peers: dict) -> dict[str, float]:
         if "plain_decode_tok_s" in figures:
             out[f"decode_ratio_vs_{peer}_plain_buffers"] = worker["decode_tok_s"] / figures["plain_decode_tok_s"]
         for concurrency, tok_s in figures.get("aggregate_tok_s", {}).items():
-            if concurrency in worker.get("aggregate_tok_s", {}):
+            if concurrency not in worker.get("aggregate_tok_s", {}):
+                continue
+            key = f"aggregate_tok_s@{concurrency}"
+            if figures.get("paired"):
+                pairs = zip(worker["runs"][key], figures["runs"][key], strict=True)
+                out[f"aggregate_ratio_vs_{peer}@{concurrency}"] = statistics.median(w / p for w, p in pairs)
+            else:
                 out[f"aggregate_ratio_vs_{peer}@{concurrency}"] = worker["aggregate_tok_s"][concurrency] / tok_s
     return out
 
