@@ -308,8 +308,10 @@ def _draw_on_host(
         row = rows[i]
         # A loose bound: every token outside has a scaled logit below _WEIGHTLESS after float32 rounding.
         ids = np.flatnonzero(row >= tops[i] + (_WEIGHTLESS - 0.5) * float(t))
-        scaled = (row[ids] - np.float32(tops[i])) / t
-        relative = torch.from_numpy(np.maximum(scaled, np.float32(_EXP_FLOOR))).exp_().numpy()
+        scaled = row[ids]  # a copy: computed in place
+        np.divide(np.subtract(scaled, np.float32(tops[i]), out=scaled), t, out=scaled)
+        # No clamp to _EXP_FLOOR as in _kept_weights: every scaled logit here is above _WEIGHTLESS - 1.
+        relative = torch.from_numpy(scaled).exp().numpy()
         weights = (relative * _WEIGHT_ONE).astype(np.int64)
         if k == state.vocab_size and p == 2**FRACTION_BITS:
             tokens[i] = ids[inverse_cdf(np.where(relative >= m, weights, 0) if m > 0 else weights, bits)]
