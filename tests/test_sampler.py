@@ -793,10 +793,19 @@ def test_the_draw_on_the_host_gives_the_tokens_of_the_radix_select(monkeypatch: 
     assert outcomes == {"covered", "not covered", "radix"}
 
 
-def test_greedy_rows_on_the_host_give_the_tensor_paths_output() -> None:
-    """A step of greedy rows alone on the host (numpy argmaxes) gives the tensor path's tokens, validity and draw
-    counters: ties to the lowest id, a NaN, +inf, a row all -inf, bfloat16 logits, padding rows left untouched."""
-    params = [SamplingParams(temperature=0.0)] * 6
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0.0)] * 6,
+        [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0)] * 2
+        + [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)],
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_a_plain_step_on_the_host_gives_the_tensor_paths_output(params: list[SamplingParams]) -> None:
+    """A step with no mask, penalty or logprobs on the host (numpy argmaxes, the host draw) gives the tensor path's
+    tokens of the valid rows, validity and draw counters, greedy rows alone and sampled ones among greedy: ties to the
+    lowest id, a NaN, +inf, a row all -inf, bfloat16 logits, padding rows left untouched."""
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 4).round().to(dtype)
         logits[1, 40] = torch.nan
@@ -806,11 +815,14 @@ def test_greedy_rows_on_the_host_give_the_tensor_paths_output() -> None:
         outputs, counters = [], []
         for on_host in (False, True):
             state = make_state(params, 300, "cpu")
-            outputs.append(sample(logits, state, slots, live, SamplerFeatures(), on_host=on_host))
+            features = SamplerFeatures.of((p, None) for p in params)
+            outputs.append(sample(logits, state, slots, live, features, on_host=on_host))
             counters.append(state.counter.clone())
         tensor_path, host = outputs
-        assert torch.equal(host.tokens, tensor_path.tokens) and torch.equal(host.valid, tensor_path.valid)
+        assert torch.equal(host.valid, tensor_path.valid)
         assert host.valid.tolist() == [True, False, False, False, True, True]
+        # An invalid row's token means nothing (the engine ends its request); a greedy one's is still the argmax.
+        assert torch.equal(host.tokens[host.valid], tensor_path.tokens[host.valid])
         assert torch.equal(counters[1], counters[0]) and counters[1][:5].tolist() == [1, 0, 0, 0, 1]
 
 

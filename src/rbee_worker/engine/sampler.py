@@ -220,10 +220,10 @@ def sample(
     `live`: [rows] bool, the rows that really decode. Each live row with valid logits advances its slot: the draw
     counter, and with `features.penalties` the chosen token's count, so that a chained step sees them. Padding rows
     read their slot's state but leave it untouched. `on_host`: the tensors are in the host's memory (a CPU) and the
-    caller allows the host to look at them, which draws row by row in numpy (_draw_on_host), and a step of greedy rows
-    alone takes their argmaxes there (_greedy_on_host); the tokens are the same."""
-    if on_host and features == SamplerFeatures():
-        return _greedy_on_host(logits, state, slots, live)
+    caller allows the host to look at them, which draws row by row in numpy (_draw_on_host), and a step with no mask,
+    penalty or logprobs runs wholly in numpy (_plain_on_host); the tokens are the same."""
+    if on_host and not (features.masks or features.penalties) and features.top_logprobs < 0:
+        return _plain_on_host(logits, state, slots, live, features)
     x, top, best, valid = _scores(logits, state, slots, features)
     tokens = best
     if features.sampling:
@@ -254,16 +254,25 @@ def sample(
     return SampleOutput(tokens, valid, logprob, top_ids, top_values - normalizer)
 
 
-def _greedy_on_host(logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, live: torch.Tensor) -> SampleOutput:
-    """`sample` over a CPU's logits where every row is greedy, with no mask, penalty or logprobs: one numpy argmax
-    per row (the first index of the maximum, a NaN counting as the maximum, as in _maxima) and the row valid where
-    that maximum is finite (as _scores decides it); the live valid rows' draw counters advance. A handful of numpy
+def _plain_on_host(
+    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, live: torch.Tensor, features: SamplerFeatures
+) -> SampleOutput:
+    """`sample` over a CPU's logits with no mask, penalty or logprobs, in numpy: each row's maximum and its first index
+    (a NaN counting as the maximum, as in _maxima), the row valid where that maximum is finite (as _scores decides it),
+    the sampled rows drawn by _draw_on_host, the live valid rows' draw counters advanced. A handful of numpy
     operations instead of a dozen tensor operations, each of which costs microseconds right after a forward."""
     x = (logits if logits.dtype == torch.float32 else logits.float()).numpy()
     best = x.argmax(1)
-    valid = np.isfinite(x[np.arange(x.shape[0]), best])
+    top = x[np.arange(x.shape[0]), best]
+    valid = np.isfinite(top)
+    tokens = best
+    if features.sampling:
+        drawn = _draw_on_host(
+            torch.from_numpy(x), torch.from_numpy(top), torch.from_numpy(valid), state, slots, features
+        )
+        tokens = np.where(state.greedy.numpy()[slots.numpy()], best, drawn.numpy())
     np.add.at(state.counter.numpy(), slots.numpy(), live.numpy() & valid)
-    return SampleOutput(torch.from_numpy(best), torch.from_numpy(valid), None, None, None)
+    return SampleOutput(torch.from_numpy(tokens), torch.from_numpy(valid), None, None, None)
 
 
 def _draw(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
