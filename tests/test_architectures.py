@@ -1,8 +1,10 @@
 """Architectures off the dense Llama path on the torch runtime, each against transformers' own `generate` on the same
 tiny random-weight model (float32, greedy): sliding windows (every layer's, Qwen2's upper layers', Gemma 3's five
 sliding layers to one full, and under transformers' eager attention Gemma 2's soft-capped and gpt-oss's sink-weighted
-alternate layers), multi-query attention in Falcon-7B's layout, DeepSeek-V3's latent attention; and what the engine
-cannot compute yet refused at load, naming it.
+alternate layers), multi-query attention in Falcon-7B's layout, DeepSeek-V3's latent attention, Doge's mask of each
+head's own, Hunyuan-MoE's and ERGO's reads of a (CPU-packed) linear layer's weight dtype; and what the engine cannot
+compute yet refused at load, naming it (the model types that bench/architectures.py found crashing or giving other
+tokens).
 
 The weights have a wide spread (initializer_range 0.5, Gemma's less) so that what a layer attends to changes the
 tokens: each windowed case checks that the same weights without the window give other tokens within the generated
@@ -22,6 +24,7 @@ from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
 from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.hf import UNSERVED
 from rbee_worker.models.loader import load_model
 
 WINDOW = 8
@@ -60,6 +63,20 @@ CASES = {
         "gpt_oss", {"sliding_window": WINDOW, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}
     ),
     "falcon-7b": ("falcon", {"multi_query": True, "new_decoder_architecture": False, "num_kv_heads": None}),
+    # Its layers make the engine's mask one of each head's own (an additive bias): neither folded into the key/value
+    # heads nor dropped for a causal first chunk.
+    "doge": ("doge", {}),
+    # Their layers read a linear layer's weight dtype (the router's, the attention output's), which a CPU's packed
+    # linear layers keep on the meta device.
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {"head_dim": 16, "num_experts": 4, "moe_topk": 2, "num_experts_per_tok": 2}),
+    "ergo": (
+        "ergo",
+        {
+            "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 16,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "mlp_layer_types": ["dense", "sparse"],
+        },
+    ),
     "deepseek_v3": (
         "deepseek_v3",
         {
@@ -198,6 +215,17 @@ def test_an_eager_window_on_cuda_is_refused_naming_it(case: str, tiny, monkeypat
         use_engine_attention(model, 512)
 
 
+def test_a_mask_of_each_heads_own_on_cuda_is_refused_naming_it(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Doge's dynamic mask, which the paged decode kernel on CUDA would not apply, is refused at load there
+    (ModelLoadError: exit 2) naming the model type and CUDA; the model is taken for one on CUDA here."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("doge"), dtype=torch.float32)
+    monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
+    with pytest.raises(ModelLoadError, match=r"^doge: an attention mask of each head's own .* on CUDA"):
+        use_engine_attention(model, 512)
+
+
 @pytest.mark.parametrize("layer_type", ["teleported_attention", "chunked_attention"])
 def test_a_layer_type_the_engine_cannot_compute_exits_2_naming_it(
     layer_type: str, tmp_path: Path, demo_tokenizer_dir: Path
@@ -211,3 +239,30 @@ def test_a_layer_type_the_engine_cannot_compute_exits_2_naming_it(
     assert result.returncode == 2 and f"layer type {layer_type} in" in result.stderr, result.stderr
     assert "not served by the torch runtime" in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+# Configs of what the engine computes otherwise than transformers or not at all (models/hf.py check_attention), each
+# with what its refusal names (bench/architectures.py found each crashing or giving other tokens).
+REFUSED = {
+    **{model_type: ({}, feature.split(",")[0]) for model_type, feature in UNSERVED.items()},
+    "falcon": ({"alibi": True}, "ALiBi"),
+    "doge": ({"keep_window_size": 8}, "dynamic mask"),
+    "gemma4_text": ({}, "vary per layer (head_dim)"),
+    "rwkv": ({}, "without attention heads"),
+    "xlstm": ({}, "without attention heads"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_an_attention_the_engine_cannot_compute_exits_2_naming_it(model_type: str, tmp_path: Path) -> None:
+    """`generate` on a directory of the model type's config alone exits 2 at load with one error line naming the model
+    type and what the torch runtime does not serve, before any weight is read."""
+    from transformers import AutoConfig
+
+    overrides, feature = REFUSED[model_type]
+    AutoConfig.for_model(model_type, **overrides).save_pretrained(tmp_path)
+    result = cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "2", fork=True)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{model_type} in " in errors[0] and feature in errors[0], result.stderr
+    assert "is not served by the torch runtime" in errors[0]

@@ -45,6 +45,8 @@ else:
     decode_attention = None
 
 NAME = "rbee_sdpa"
+# Model types whose layers turn the engine's mask into one of each head's own (Doge's dynamic mask: an additive bias).
+PER_HEAD_MASKS = {"doge"}
 EAGER_NAME = "rbee_eager"
 
 
@@ -76,13 +78,17 @@ def attention(
         # (A first chunk within the window sees what a causal mask shows it.)
         attention_mask = windowed(attention_mask, kwargs["query_positions"], key.shape[2], window)
     kv_heads = key.shape[1]
-    if plain and q_len == 1 and heads != kv_heads:
+    # The engine's mask, or one of the same shape: a layer's own mask per head (Doge's dynamic mask, an additive bias
+    # of each head) neither folds into the key/value heads nor is causal only.
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
+    if plain and shared_mask and q_len == 1 and heads != kv_heads:
         folded = query.reshape(rows, kv_heads, heads // kv_heads, head_dim)
         output = torch.nn.functional.scaled_dot_product_attention(
             folded, key, value, attn_mask=attention_mask, scale=scaling
         )
         return output.reshape(rows, 1, heads, value.shape[-1]), None
-    if plain and rows == 1 and q_len == key.shape[2] and q_len > 1 and (window is None or q_len <= window):
+    first = rows == 1 and q_len == key.shape[2] and q_len > 1 and (window is None or q_len <= window)
+    if plain and shared_mask and first:
         # The engine masks a chunk that starts at position 0 causally and nothing else (see the module docstring).
         # From the module's own int (as transformers' sdpa reads it): under torch.compile with dynamic shapes a
         # comparison of head counts is symbolic, and SDPA's flag takes a plain bool only. (Where compiled.py makes
@@ -191,12 +197,17 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
     `eager_attention` when it uses transformers' eager attention and has a window shorter than the context (Gemma 2,
     gpt-oss); False and unchanged otherwise (flash attention, or eager without a window, as the model class or the
     caller asks). Raises ModelLoadError for an attention that the engine would compute otherwise than transformers:
-    chunked attention (Llama 4), a window outside sdpa and eager, an eager attention layer whose modeling module has
-    no `eager_attention_forward`, and an eager model with a window on CUDA (models/hf.py refuses other layer
-    types)."""
+    chunked attention (Llama 4), a mask of each head's own on CUDA (PER_HEAD_MASKS), a window outside sdpa and eager,
+    an eager attention layer whose modeling module has no `eager_attention_forward`, and an eager model with a window
+    on CUDA (models/hf.py refuses other layer types and attention kinds)."""
     text = model.config.get_text_config()
     if getattr(text, "attention_chunk_size", None) is not None:
         raise ModelLoadError(f"{text.model_type}: chunked attention (attention_chunk_size) is not served yet")
+    if text.model_type in PER_HEAD_MASKS and model.device.type == "cuda":
+        raise ModelLoadError(
+            f"{text.model_type}: an attention mask of each head's own (a dynamic mask) on CUDA is not served yet "
+            "(the paged decode kernel takes none); on a CPU it is"
+        )
     implementation = getattr(model.config, "_attn_implementation", None)
     window = config_window(model.config)
     sliding = window is not None and window < context_length

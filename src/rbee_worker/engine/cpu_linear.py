@@ -29,6 +29,12 @@ class PackedLinear(torch.nn.Module):
         self.packed_bytes = weight.numel() * weight.element_size()
         self.bias = linear.bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain weight's shape and dtype, on the meta device, for modeling code that reads them (Hunyuan-MoE's
+        router, ERGO's layers read its dtype); it has no values, so a computation with it raises."""
+        return torch.empty(self.out_features, self.in_features, dtype=self.packed.dtype, device="meta")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

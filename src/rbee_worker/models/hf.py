@@ -24,6 +24,21 @@ from rbee_worker.models.tp_loading import load_shard_weights, shard_to_load
 
 INDEX_FILE = "model.safetensors.index.json"
 LAYER_TYPES = {"full_attention", "sliding_attention"}  # the `layer_types` that the torch runtime computes
+# Model types whose transformers class computes something the engine's cache, masks or attention do not give it (as
+# bench/architectures.py found: each crashes or gives other tokens than transformers): refused at load, naming why.
+UNSERVED = {
+    "bloom": "ALiBi position biases, which its layers build from a 2-D attention mask (the engine's mask is 4-D)",
+    "cpmant": "its own attention with position buckets over a cache of its own layout",
+    "gpt_neox_japanese": "its own attention code, which fails on the keys and values that the engine's cache hands it",
+    "openai-gpt": "no KV cache (its layers attend to the tokens of each forward alone)",
+    "trocr": "learned positions that it counts from the cache's length, not the forward's positions",
+    "xlnet": "two-stream relative attention over a memory of its own (not a causal cache)",
+    "hrm_text": "recurrent reasoning cycles that run its layers several times over one cache",
+    "mimo_v2_flash": "key/value heads that differ between layers (its sliding layers have twice the full layers')",
+    "gpt_neo": "its own causal mask, which takes the keys a forward reads to end at its last query (the engine's "
+    "reads run past it, masked)",
+    "bert-generation": "attention over the whole sequence both ways (an encoder unless is_decoder)",
+}
 
 
 def load_hf_directory(
@@ -122,7 +137,48 @@ def read_config(path: Path) -> PretrainedConfig:
             "AutoModelForCausalLM supports"
         ) from exc
     check_layer_types(getattr(config.get_text_config(), "layer_types", None), config_file)  # defaults included
+    check_attention(config, config_file)
     return config
+
+
+def per_layer_shape(text: PretrainedConfig) -> str | None:
+    """The first of the attention's shape attributes that the config gives per layer (transformers raises for a global
+    read of one: Gemma 4's head_dim), None where all are global."""
+    for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+        try:
+            getattr(text, name, None)
+        except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            return name
+    return None
+
+
+def check_attention(config: PretrainedConfig, config_file: Path) -> None:
+    """Raises ModelLoadError, naming the model type and the feature, for a model whose attention the engine would
+    compute otherwise than transformers or not at all: UNSERVED's types (BERT-Generation unless `is_decoder`), Doge's
+    dynamic mask where it chooses keys (a context longer than its keep_window_size), ALiBi built from the attention
+    mask (Falcon's `alibi`), attention shapes that vary per layer (per_layer_shape), and a model without attention
+    heads (a recurrent model such as RWKV or xLSTM)."""
+    text = config.get_text_config()
+    model_type = config.model_type
+    if model_type == "bert-generation" and getattr(config, "is_decoder", False):
+        feature = None
+    elif model_type in UNSERVED:
+        feature = UNSERVED[model_type]
+    elif model_type == "doge" and text.keep_window_size < text.max_position_embeddings:
+        feature = (
+            f"a dynamic mask over more than keep_window_size ({text.keep_window_size}) keys, whose choice of keys "
+            "depends on how the forwards split the context"
+        )
+    elif model_type == "falcon" and getattr(config, "alibi", False):
+        feature = "ALiBi position biases (alibi), which its layers build from a 2-D attention mask"
+    elif varying := per_layer_shape(text):
+        feature = f"attention shapes that vary per layer ({varying})"
+    elif getattr(text, "num_attention_heads", None) is None:
+        feature = "a model without attention heads (a recurrent model), whose state the engine's KV cache cannot hold"
+    else:
+        feature = None
+    if feature is not None:
+        raise ModelLoadError(f"{model_type} in {config_file}: {feature} is not served by the torch runtime")
 
 
 def check_layer_types(layer_types: object, config_file: Path) -> None:
