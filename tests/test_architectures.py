@@ -226,6 +226,22 @@ def test_a_mask_of_each_heads_own_on_cuda_is_refused_naming_it(tiny, monkeypatch
         use_engine_attention(model, 512)
 
 
+def test_another_attention_than_the_engines_on_cuda_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose transformers class computes attention eagerly and has no window (MPT) keeps transformers' own
+    attention on a CPU; on CUDA, where decode steps hand the paged pool to the engine's attention, it is refused at
+    load (ModelLoadError: exit 2) naming the model type, the attention and CUDA; the model is taken for one on CUDA
+    here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mpt", d_model=32, n_heads=2, n_layers=1, vocab_size=64, max_seq_len=64)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.config._attn_implementation == "eager"
+    assert use_engine_attention(model, 64) is False
+    monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
+    with pytest.raises(ModelLoadError, match=r"^mpt: transformers' eager attention on CUDA is not served yet"):
+        use_engine_attention(model, 64)
+
+
 @pytest.mark.parametrize("layer_type", ["teleported_attention", "chunked_attention"])
 def test_a_layer_type_the_engine_cannot_compute_exits_2_naming_it(
     layer_type: str, tmp_path: Path, demo_tokenizer_dir: Path

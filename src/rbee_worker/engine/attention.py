@@ -198,8 +198,8 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
     gpt-oss); False and unchanged otherwise (flash attention, or eager without a window, as the model class or the
     caller asks). Raises ModelLoadError for an attention that the engine would compute otherwise than transformers:
     chunked attention (Llama 4), a mask of each head's own on CUDA (PER_HEAD_MASKS), a window outside sdpa and eager,
-    an eager attention layer whose modeling module has no `eager_attention_forward`, and an eager model with a window
-    on CUDA (models/hf.py refuses other layer types and attention kinds)."""
+    an eager attention layer whose modeling module has no `eager_attention_forward`, an eager model with a window on
+    CUDA, and on CUDA any attention but the engine's (models/hf.py refuses other layer types and attention kinds)."""
     text = model.config.get_text_config()
     if getattr(text, "attention_chunk_size", None) is not None:
         raise ModelLoadError(f"{text.model_type}: chunked attention (attention_chunk_size) is not served yet")
@@ -241,5 +241,10 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
         raise ModelLoadError(
             f"{text.model_type}: a sliding window of {window} tokens under transformers' "
             f"{model.config._attn_implementation} attention is not served yet (only under sdpa's and eager's)"
+        )
+    if model.device.type == "cuda":  # its decode steps would hand the whole paged pool to transformers' own function
+        raise ModelLoadError(
+            f"{text.model_type}: transformers' {model.config._attn_implementation} attention on CUDA is not served yet "
+            "(the engine's decode steps read the paged KV cache through its own attention); on a CPU it is"
         )
     return False
