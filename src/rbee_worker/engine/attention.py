@@ -178,18 +178,16 @@ def eager_attention(
         key, value, attention_mask = paged_gather(key, value, tables, kwargs["kv_lengths"], query.dtype, window)
     elif window is not None:
         attention_mask = windowed(attention_mask, kwargs["query_positions"], key.shape[2], window)
-    return own_eager_function(module)(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
+    function = own_eager_function(module)
+    assert function is not None, "use_engine_attention refuses a layer without an eager function"
+    return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def own_eager_function(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def own_eager_function(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The `eager_attention_forward` of the modeling module that defines the attention layer `module` (the function
-    transformers calls for it under "eager"), found at load (`use_engine_attention`)."""
-    return _EAGER_FUNCTIONS[type(module)]
-
-
-_EAGER_FUNCTIONS: dict[type, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+    transformers calls for it under "eager"); None where that module has none (`use_engine_attention` refuses it)."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    return function if callable(function) else None
 
 
 def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
@@ -224,15 +222,13 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
             )
         # transformers' attention layers, by its naming (Gemma2Attention, GptOssAttention), each with the function
         # that its modeling module defines for eager attention.
-        layers = {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")}
-        found = {kind: getattr(sys.modules[kind.__module__], "eager_attention_forward", None) for kind in layers}
-        lacking = sorted(kind.__name__ for kind, function in found.items() if not callable(function))
-        if lacking or not found:
+        layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+        lacking = sorted({type(m).__name__ for m in layers if own_eager_function(m) is None})
+        if lacking or not layers:
             raise ModelLoadError(
                 f"{text.model_type}: a sliding window under transformers' eager attention of "
                 f"{', '.join(lacking) or 'its layers'} (no eager_attention_forward beside them) is not served yet"
             )
-        _EAGER_FUNCTIONS.update(found)
         AttentionInterface.register(EAGER_NAME, eager_attention)
         model.set_attn_implementation(EAGER_NAME)
         if model.config._attn_implementation == EAGER_NAME:

@@ -24,8 +24,8 @@ from rbee_worker.models.tp_loading import load_shard_weights, shard_to_load
 
 INDEX_FILE = "model.safetensors.index.json"
 LAYER_TYPES = {"full_attention", "sliding_attention"}  # the `layer_types` that the torch runtime computes
-# Model types whose transformers class computes something the engine's cache, masks or attention do not give it (as
-# bench/architectures.py found: each crashes or gives other tokens than transformers): refused at load, naming why.
+# Model types whose transformers class computes something the engine's cache, masks or attention do not give it (each
+# crashes or gives other tokens than transformers in bench/architectures.py's survey): refused at load, naming why.
 UNSERVED = {
     "bloom": "ALiBi position biases, which its layers build from a 2-D attention mask (the engine's mask is 4-D)",
     "cpmant": "its own attention with position buckets over a cache of its own layout",
