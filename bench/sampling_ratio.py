@@ -1,8 +1,9 @@
 """Sampled traffic against greedy traffic on one worker process: what a chat client's settings cost.
 
 One `rbee-worker serve` process, measured through /v1/completions (streamed, as `rbee-worker bench` does) in
---repeats rounds of every sampling mode in turn: single-stream decode tokens/s and aggregate tokens/s at each
---concurrency, medians over the rounds, every ratio taken against greedy in the same run. Optionally transformers'
+--repeats rounds of every sampling mode in turn (the order reversed every other round): single-stream decode tokens/s
+and aggregate tokens/s at each --concurrency, medians over the rounds; each ratio to greedy is the median of the
+rounds' ratios, a mode's run against greedy's run of the same round, a minute apart at most. Optionally transformers'
 continuous batching (`--peer-cb`) at the highest concurrency, greedy, in the same call.
 
     python bench/sampling_ratio.py --model demo --device cpu --concurrency 1,16
@@ -42,6 +43,8 @@ def main() -> None:
     args.sampling = "greedy"
     spec = build_spec(args)
     modes = args.modes.split(",")
+    if "greedy" not in modes:
+        parser.error("--modes must include greedy: every ratio is taken against it")
     result: dict = {"machine": machine(), "model": args.model, "device": args.device, "dtype": args.dtype,
                     "worker_flags": args.worker_flag, "modes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
@@ -53,19 +56,27 @@ def main() -> None:
             # would count against whichever round came first. The timed rounds measure a worker in steady state.
             for mode in modes:
                 asyncio.run(measure_worker(url, spec | {"repeats": 1, "sampling": MODES[mode]}))
-            # Rounds of every mode in turn, medians over the rounds: a drift of the machine's speed (a shared VM)
-            # then weighs on every mode alike.
+            # Rounds of every mode in turn, each round's ratios to its own greedy run: the speed of a shared VM drifts
+            # by 10-15% within a minute, so runs far apart compare the machine's spells, not the modes. Reversing the
+            # order every other round keeps a mode from always running right after the same neighbour.
             rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
-            for _ in range(args.repeats):
-                for mode in modes:
+            for repeat in range(args.repeats):
+                for mode in modes if repeat % 2 == 0 else modes[::-1]:
                     once = spec | {"repeats": 1, "sampling": MODES[mode]}
                     rounds[mode].append(asyncio.run(measure_worker(url, once)))
             for mode, runs in rounds.items():
+                keys = ["decode_tok_s", *(f"aggregate_tok_s@{c}" for c in args.concurrency)]
+                over_greedy = {
+                    key: [figure(r, key) / figure(g, key) for r, g in zip(runs, rounds["greedy"], strict=True)]
+                    for key in keys
+                }
                 result["modes"][mode] = {
                     "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
                     "aggregate_tok_s": {
                         str(c): statistics.median(r["aggregate_tok_s"][str(c)] for r in runs) for c in args.concurrency
                     },
+                    "x_greedy": {key: statistics.median(values) for key, values in over_greedy.items()},
+                    "x_greedy_rounds": over_greedy,
                     "runs": runs,
                 }
                 print(mode, json.dumps({k: result["modes"][mode][k] for k in ("decode_tok_s", "aggregate_tok_s")}))
@@ -77,10 +88,10 @@ def main() -> None:
     lines = ["| mode | decode tok/s | x greedy | " + " | ".join(f"agg@{c} | x greedy" for c in args.concurrency) + " |"]
     lines.append("|" + "---|" * (3 + 2 * len(args.concurrency)))
     for mode, figures in result["modes"].items():
-        cells = [mode, f"{figures['decode_tok_s']:.1f}", f"{figures['decode_tok_s'] / greedy['decode_tok_s']:.3f}"]
+        ratio = figures["x_greedy"]
+        cells = [mode, f"{figures['decode_tok_s']:.1f}", f"{ratio['decode_tok_s']:.3f}"]
         for c in map(str, args.concurrency):
-            agg = figures["aggregate_tok_s"][c]
-            cells += [f"{agg:.0f}", f"{agg / greedy['aggregate_tok_s'][c]:.3f}"]
+            cells += [f"{figures['aggregate_tok_s'][c]:.0f}", f"{ratio[f'aggregate_tok_s@{c}']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if args.peer_cb:
         top = max(args.concurrency)
@@ -99,6 +110,12 @@ def main() -> None:
     stem = f"sampling_ratio_{Path(args.model).stem}_{args.device.replace(':', '')}_{name}"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(f"{json.dumps(result['machine'])}\n\n{table}\n")
+
+
+def figure(run: dict, key: str) -> float:
+    """One of a run's figures: decode_tok_s, or aggregate_tok_s@<concurrency>."""
+    name, _, concurrency = key.partition("@")
+    return run[name][concurrency] if concurrency else run[name]
 
 
 if __name__ == "__main__":
