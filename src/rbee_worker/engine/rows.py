@@ -115,5 +115,10 @@ class RowSampling:
         features = self.features([row for row, alive in zip(rows, live, strict=True) if alive])
         index = torch.tensor(rows, device=self.device)
         live_rows = torch.tensor(live, device=self.device)
-        out = sample(logits, self.state, index, live_rows, features, on_host=self.device.type == "cpu")
+        on_host = self.device.type == "cpu"
+        out = sample(logits, self.state, index, live_rows, features, on_host=on_host)
+        if on_host and out.logprob is None:
+            # The leading (token, valid) fields of pack's layout, which are all that `sampled` reads of a row without
+            # logprobs: pack's tensor operations cost more right after a forward than the sampling itself.
+            return [[token, valid] for token, valid in zip(out.tokens.tolist(), out.valid.tolist(), strict=True)]
         return pack(out).tolist()
