@@ -8,7 +8,7 @@ as token ids, `ignore_eos` (every stream generates exactly --gen-tokens), greedy
 decode cases run again at temperature 0.7, top_p 0.9 (results keyed `<case>@chat`). Cases:
 
 - `batch1`: one stream after a 32-token prompt: decode tokens/s (first token to last) and its ratio to the ceiling
-  (bytes/s the GPU reads over the weight bytes plus the KV bytes one step reads);
+  (bytes/s the GPU reads over the weight bytes plus the KV bytes one step reads: a sliding layer's over its window);
 - `batch64`: 64 streams after 32-token prompts at once: aggregate tokens/s over the window where all 64 decode;
 - `long1`: one stream after an 8,000-token prompt (--long-prompt): decode tokens/s against its ceiling;
 - `long64`: 64 streams after distinct 2,000-token prompts: aggregate decode tokens/s where all decode, against
@@ -258,13 +258,28 @@ def spec_tokenizer(args: argparse.Namespace) -> object:
     return tokenizer_of(resolve_model_path(args.model))
 
 
-def ceilings(args: argparse.Namespace, result: dict, weight_bytes: int, kv_bytes_per_token: int) -> None:
+def kv_bytes_read(config: object, tokens: int) -> int:
+    """Bytes of keys and values (bfloat16) a decode step reads for one row of `tokens` context: every layer's, a
+    sliding layer's only over its window."""
+    import torch
+
+    from rbee_worker.engine.kv_cache import kv_shape
+
+    heads, key_dim, value_dim = kv_shape(config)
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None) or tokens
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    read = sum(min(tokens, window) if kind == "sliding_attention" else tokens for kind in kinds)
+    return read * heads * (key_dim + value_dim) * torch.bfloat16.itemsize
+
+
+def ceilings(args: argparse.Namespace, result: dict, weight_bytes: int, config: object) -> None:
     bandwidth = result["machine"]["read_bandwidth_gb_s"] * 1e9
     contexts = {"batch1": (1, 32 + args.gen_tokens // 2), "long1": (1, args.long_prompt + args.gen_tokens // 2),
                 "batch64": (args.streams, 32 + args.gen_tokens // 2),
                 "long64": (args.streams, args.shared_prompt + args.gen_tokens // 2)}  # fmt: skip
     result["ceiling_tok_s"] = {
-        case: rows * bandwidth / (weight_bytes + rows * tokens * kv_bytes_per_token)
+        case: rows * bandwidth / (weight_bytes + rows * kv_bytes_read(config, tokens))
         for case, (rows, tokens) in contexts.items()
     }
 
@@ -306,14 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 (args.out / log.name).write_text(log.read_text(errors="replace")[-20000:])
     if "read_bandwidth_gb_s" in result["machine"] and result.get("this", {}).get("weight_bytes"):
-        import torch
         from transformers import AutoConfig
 
-        from rbee_worker.engine.kv_cache import kv_bytes_per_token
         from rbee_worker.models.loader import resolve_model_path
 
         config = AutoConfig.from_pretrained(resolve_model_path(args.model))
-        ceilings(args, result, result["this"]["weight_bytes"], kv_bytes_per_token(config, torch.bfloat16))
+        ceilings(args, result, result["this"]["weight_bytes"], config)
     print_table(result)
     (args.out / "kv_cache.json").write_text(json.dumps(result, indent=2))
     return 0

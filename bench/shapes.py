@@ -1,5 +1,5 @@
-"""Real-shape Llama models with random weights (fixed seed), written as safetensors directories for the GPU checks and
-benchmarks (speed does not depend on the weights' values).
+"""Real-shape models (Llama, and Gemma 3 for sliding windows) with random weights (fixed seed), written as
+safetensors directories for the GPU checks and benchmarks (speed does not depend on the weights' values).
 
     PYTHONPATH=src python bench/shapes.py --shape llama-3.1-8b --tokenizer DIR --out /tmp/llama-8b
 
@@ -11,10 +11,11 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 SHAPES = {
     "llama-3.2-1b": dict(
+        model_type="llama",
         vocab_size=128256,
         hidden_size=2048,
         intermediate_size=8192,
@@ -34,6 +35,7 @@ SHAPES = {
         },
     ),
     "llama-3.1-8b": dict(
+        model_type="llama",
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
@@ -52,12 +54,35 @@ SHAPES = {
             "original_max_position_embeddings": 8192,
         },
     ),
+    # google/gemma-3-12b-it's text model: five sliding layers (a 1,024-token window) to one full, 48 layers.
+    "gemma-3-12b": dict(
+        model_type="gemma3_text",
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        sliding_window=1024,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    ),
 }
 
 
 def write_model(shape: str, tokenizer_dir: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(**SHAPES[shape], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    fields = dict(SHAPES[shape])
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, **fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     tokenizer.add_tokens([f"<placeholder_{i}>" for i in range(config.vocab_size - len(tokenizer))])
     torch.manual_seed(0)
     with torch.device("cuda"):

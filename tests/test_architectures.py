@@ -19,7 +19,7 @@ from serving import running
 from test_engine import cpu_graphs  # noqa: F401 -- the fixture
 
 from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.attention import use_engine_attention
+from rbee_worker.engine.attention import EAGER_NAME, use_engine_attention
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
@@ -91,8 +91,12 @@ CASES = {
 def reference(directory: Path, prompt_ids: list[int], sinks: bool = True, **config: object) -> list[int]:
     """transformers' greedy tokens for the model in `directory` (its config changed by `config`; without `sinks`,
     gpt-oss's attention sinks set to a logit that takes no weight)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if getattr(AutoConfig.from_pretrained(directory), "attn_logit_softcapping", None) is not None:
+        # Only transformers' eager attention computes Gemma 2's soft-capping, which some versions (5.17) leave out
+        # under their default, SDPA.
+        config.setdefault("attn_implementation", "eager")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **config)
     if not sinks:
         for layer in model.model.layers:
@@ -202,17 +206,17 @@ def test_sliding_windows_over_http_give_transformers_tokens(
     assert got == [*expected, *expected]
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gpt_oss"])
-def test_an_eager_window_on_cuda_is_refused_naming_it(case: str, tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window under transformers' eager attention on CUDA, a path no test has run on a GPU yet, is refused at load
-    (ModelLoadError: exit 2) naming the model type and CUDA; the model is taken for one on CUDA here."""
+def test_a_soft_capped_model_under_sdpa_gets_eager_attention(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 2 where transformers defaults it to sdpa (5.17 does), which leaves its soft-capping out: the engine
+    gives it transformers' eager attention, through its own eager path."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.gemma2 import modeling_gemma2
 
-    model = AutoModelForCausalLM.from_pretrained(tiny(case), dtype=torch.float32)
-    assert model.config._attn_implementation == "eager"
-    monkeypatch.setattr(type(model), "device", property(lambda _: torch.device("cuda")))
-    with pytest.raises(ModelLoadError, match=f"^{case}: a sliding window under transformers' eager .* on CUDA"):
-        use_engine_attention(model, 512)
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)
+    model = AutoModelForCausalLM.from_pretrained(tiny("gemma2"), dtype=torch.float32, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    assert use_engine_attention(model, 512)
+    assert model.config._attn_implementation == EAGER_NAME
 
 
 def test_a_mask_of_each_heads_own_on_cuda_is_refused_naming_it(tiny, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -362,6 +362,72 @@ def test_decode_attention_kernel_matches_sdpa(
     assert torch.equal(replayed, paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits))
 
 
+@pytest.mark.parametrize("case", ["gemma3_text", "gemma2", "gpt_oss"])
+def test_windows_in_bfloat16_decode_with_the_kernel_as_eagerly(
+    case: str, tmp_path: Path, demo_tokenizer_dir: Path
+) -> None:
+    """In bfloat16 the decode graphs' sliding layers run the paged kernel (its window, Gemma 2's soft-capping,
+    gpt-oss's sinks): greedy requests give the tokens of the engine without graphs (transformers' attention functions
+    over gathered keys), or part at a near-tie, as in test_quantized_model_decodes_with_graphs_as_eagerly."""
+    model_type, overrides = CASES[case]
+    directory = make_tiny_model(tmp_path / case, model_type, demo_tokenizer_dir, **{**SPREAD, **overrides})
+    results: list[list[list[int]]] = []
+    for graphs in (True, False):
+        config = EngineConfig(max_batch=4, kv_cache_bytes=64 << 20, cuda_graphs=graphs)
+        engine = Engine(lambda: load_model(str(directory), Placement(CUDA, torch.bfloat16)), config)
+        try:
+            prompts = [engine.tokenize(p) for p in PROMPTS[1:]]
+            results.append([greedy(engine, ids, 40)[0] for ids in prompts])
+            if graphs:
+                continue
+            for ids, with_graphs, eager in zip(prompts, *results, strict=True):
+                if with_graphs != eager:
+                    at = next(i for i, (a, b) in enumerate(zip(with_graphs, eager, strict=True)) if a != b)
+                    (first, best), (second, runner_up) = top_two(engine, (*ids, *eager[:at]))
+                    print(f"{case}: first difference at token {at}, logprobs {best:.4f} / {runner_up:.4f}")
+                    assert {first, second} == {with_graphs[at], eager[at]} and best - runner_up <= NEAR_TIE
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(100, None, False), (1000, 30.0, False), (128, None, True)])
+def test_decode_attention_kernel_window_softcap_and_sinks(window: int, softcap: float | None, sinks: bool) -> None:
+    """The paged decode kernel's window, soft-capping and sinks against float32 attention computed as transformers'
+    eager functions do (Gemma 2's tanh cap, gpt-oss's sink logit in the softmax), over rows of every length up to
+    several windows, one split and many."""
+    torch.manual_seed(0)
+    rows, heads, kv_heads, head_dim, span, block_size = 6, 16, 4, 64, 2000, 16
+    max_blocks = -(-span // block_size)
+    num_blocks = rows * max_blocks + 3
+    pool = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=CUDA, dtype=torch.bfloat16) * 2
+    key_cache, value_cache = pool[:, 0], pool[:, 1]
+    tables = torch.randperm(num_blocks, device=CUDA)[: rows * max_blocks].view(rows, max_blocks).to(torch.int32)
+    query = torch.randn(rows, 1, heads, head_dim, device=CUDA, dtype=torch.bfloat16).transpose(1, 2)
+    lengths = torch.tensor([span, 1, window, window + 1, 3 * window + 7, 0], device=CUDA, dtype=torch.int32)
+    sink_logits = torch.linspace(-3.0, 6.0, heads, device=CUDA).to(torch.bfloat16) if sinks else None
+    scale = head_dim**-0.5
+    positions = torch.arange(span, device=CUDA)
+    slots = tables[:, positions // block_size].long(), positions % block_size
+    key, value = (
+        cache[slots].transpose(1, 2).float().repeat_interleave(heads // kv_heads, 1) for cache in pool.unbind(1)
+    )
+    scores = query.float() @ key.transpose(2, 3) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = (positions < lengths[:, None]) & (positions >= lengths[:, None] - window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if sinks:
+        scores = torch.cat([scores, sink_logits.float()[None, :, None, None].expand(rows, -1, 1, 1)], -1)
+    expected = (scores.softmax(-1)[..., :span] @ value).transpose(1, 2)
+    expected[lengths == 0] = 0.0
+    for splits in (1, splits_for(rows, kv_heads, CUDA)):
+        got = paged_decode_attention(
+            query, key_cache, value_cache, tables, lengths, scale, splits, window, softcap, sink_logits
+        )
+        assert torch.equal(got[-1], torch.zeros_like(got[-1])), "a padding row gives zeros"
+        assert (got.float() - expected).abs().max() <= 2e-2 * expected.abs().max(), splits
+
+
 def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_graphs(random_llama: Path) -> None:
     """Rows under a JSON schema's grammar beside free rows, greedy and sampled at temperature 1.0: the decode graphs
     (captured before ready, the grammar's token mask applied inside them) give the tokens of an engine without graphs,
@@ -411,13 +477,13 @@ def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_gr
     assert any(any(step) for step in chained)
 
 
-@pytest.mark.parametrize("case", ["mistral", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("case", ["mistral", "qwen2", "gemma3_text", "gemma2", "gpt_oss"])
 def test_sliding_windows_on_cuda_graphs_give_the_cpu_float32_tokens(
     case: str, tmp_path: Path, demo_tokenizer_dir: Path
 ) -> None:
-    """Sliding layers on CUDA (decode steps in CUDA graphs, each window read through the paged reference) give the
-    tokens of the CPU's float32 engine, which tests/test_architectures.py holds to transformers' `generate`: alone,
-    and four requests at once."""
+    """Sliding layers on CUDA (decode steps in CUDA graphs, each window read through the paged reference, or gathered
+    for the model's own eager function: Gemma 2's soft-capping, gpt-oss's sinks) give the tokens of the CPU's float32
+    engine, which tests/test_architectures.py holds to transformers' `generate`: alone, and four requests at once."""
     model_type, overrides = CASES[case]
     directory = make_tiny_model(tmp_path / case, model_type, demo_tokenizer_dir, **{**SPREAD, **overrides})
     config = EngineConfig(max_batch=4, kv_cache_bytes=64 << 20)

@@ -73,18 +73,25 @@ DECODE_CHECKS = textwrap.dedent(
     assert [splits_for(rows, kv_heads, cuda) for rows, kv_heads in shapes] == [33, 11, 1, 1, MAX_SPLITS, 1]
 
 
-    def reference(query, key_cache, value_cache, tables, lengths, scale):
-        # float32 softmax attention over each row's positions, gathered through its block table
+    def reference(query, key_cache, value_cache, tables, lengths, scale, window=None, softcap=None, sinks=None):
+        # float32 softmax attention over each row's positions (its last `window` of them), gathered through its block
+        # table; soft-capped scores and each head's sink logit in the softmax, as transformers' eager functions do
         rows, heads, _, head_dim = query.shape
         block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
         out = torch.zeros(rows, 1, heads, head_dim)
         for r, length in enumerate(lengths.tolist()):
-            p = torch.arange(length)
+            if length == 0:
+                continue
+            p = torch.arange(max(length - window, 0) if window else 0, length)
             blocks = tables[r, p // block_size].long()
             key = key_cache[blocks, p % block_size].float().repeat_interleave(heads // kv_heads, 1)
             value = value_cache[blocks, p % block_size].float().repeat_interleave(heads // kv_heads, 1)
             scores = torch.einsum("hd,phd->hp", query[r, :, 0].float(), key) * scale
-            out[r, 0] = torch.einsum("hp,phd->hd", scores.softmax(-1), value)
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.float()[:, None]], 1)
+            out[r, 0] = torch.einsum("hp,phd->hd", scores.softmax(-1)[:, : len(p)], value)
         return out
 
 
@@ -108,16 +115,20 @@ DECODE_CHECKS = textwrap.dedent(
             used = -(-length // block_size)
             tables[r, :used], order = order[:used], order[used:]
         query = torch.randn(rows, 1, heads, head_dim).to(dtype).transpose(1, 2)  # as transformers passes it
-        expected = reference(query, key_cache, value_cache, tables, lengths, scale)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-        for splits in (1, 3, 8):
-            got = paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits)
-            assert got.shape == (rows, 1, heads, head_dim) and got.dtype == dtype
-            assert torch.equal(got[-1], torch.zeros_like(got[-1])), "a padding row gives zeros"
-            case = (heads, kv_heads, block_size, dtype, splits)
-            torch.testing.assert_close(
-                got.float(), expected, rtol=tolerance, atol=tolerance, msg=lambda m, case=case: f"{case}: {m}"
-            )
+        # plain; a window shorter than most rows (17 of 65 and 300: their first blocks are never read); soft-capped
+        # scores with a sink logit per head (of both signs), the sinks in the merge (splits > 1) and in one split
+        sinks = torch.linspace(-2.0, 3.0, heads).to(dtype)
+        for extras in ({}, {"window": 17}, {"softcap": 0.5, "sinks": sinks}, {"window": 64, "sinks": sinks}):
+            expected = reference(query, key_cache, value_cache, tables, lengths, scale, **extras)
+            for splits in (1, 3, 8):
+                got = paged_decode_attention(query, key_cache, value_cache, tables, lengths, scale, splits, **extras)
+                assert got.shape == (rows, 1, heads, head_dim) and got.dtype == dtype
+                assert torch.equal(got[-1], torch.zeros_like(got[-1])), "a padding row gives zeros"
+                case = (heads, kv_heads, block_size, dtype, splits, sorted(extras))
+                torch.testing.assert_close(
+                    got.float(), expected, rtol=tolerance, atol=tolerance, msg=lambda m, case=case: f"{case}: {m}"
+                )
     print("ok")
     """
 )

@@ -4,7 +4,7 @@ transformers' "sdpa", with three shapes of the engine's forwards sent to faster 
 
 - A decode step on CUDA: the paged cache hands over its whole pool (kv_cache.PagedCache's `paged` mode) and the
   forward's `kv_block_tables` / `kv_lengths` arguments say where each row's keys and values are; decode_attention.py's
-  paged split-KV kernel reads them there.
+  paged split-KV kernel reads them there (a sliding layer's window only).
 - A decode step elsewhere (one query token per row, keys gathered): the query heads that share a key/value head are
   folded into the query length (`[rows, kv_heads, groups, head_dim]`), so attention reads each cached key and value
   once instead of through `repeat_kv`'s copy for every query head; the engine's mask (`[rows, 1, 1, span]`) applies
@@ -18,15 +18,17 @@ A sliding layer (transformers hands its attention `sliding_window`: Mistral, Gem
 `use_sliding_window`, ...) sees only the last `sliding_window` positions, itself included, as transformers'
 `sliding_window_overlay` masks them. The engine's masks are causal only, so the window is applied here, per layer:
 from the forward's `query_positions` (the runner passes them for a model whose config has a window; a key's index is
-its position in gathered and first-chunk reads), or from `kv_lengths` for the paged cache, read by paged_reference
-(the paged kernel takes no window).
+its position in gathered and first-chunk reads), or from `kv_lengths` for the paged cache (the paged kernel's
+`window`, or paged_reference's).
 
 A model whose transformers class computes attention only eagerly (Gemma 2's logit soft-capping, gpt-oss's attention
 sinks: no sdpa) gets `eager_attention` instead: the same window applied to the engine's mask, then the model's own
-`eager_attention_forward`, so that soft-capping, `query_pre_attn_scalar` and sinks stay transformers' arithmetic. On
-a CPU it serves every path the engine has (gathered prompt chunks and decode steps, first chunks, prefix-cache hits,
-the paged pool of decode graphs, which it gathers through the tables as paged_reference does); on CUDA such a model
-is refused at load (`use_engine_attention`).
+`eager_attention_forward`, so that soft-capping, `query_pre_attn_scalar` and sinks stay transformers' arithmetic. It
+serves every path the engine has (gathered prompt chunks and decode steps, first chunks, prefix-cache hits, the paged
+pool of decode graphs, which it gathers through the tables as paged_reference does). The decode steps of the models
+in KERNEL_EAGER go to the paged kernel instead where it takes them (CUDA, bfloat16 / float16), which computes their
+eager functions' soft-capping and sinks itself. A soft-capped model is given transformers' eager attention whatever
+its class defaults to: some transformers versions (5.17) default Gemma 2 to sdpa, which leaves the capping out.
 """
 
 import importlib.util
@@ -45,6 +47,9 @@ else:
     decode_attention = None
 
 NAME = "rbee_sdpa"
+# Model types whose eager attention is softmax attention plus what the paged decode kernel computes (a window,
+# `softcap`, the `s_aux` sinks): their paged decode steps take the kernel where it runs.
+KERNEL_EAGER = {"gemma2", "gpt_oss"}
 # Model types whose layers turn the engine's mask into one of each head's own (Doge's dynamic mask: an additive bias).
 PER_HEAD_MASKS = {"doge"}
 EAGER_NAME = "rbee_eager"
@@ -69,10 +74,10 @@ def attention(
         assert plain, "paged decode steps run without softcap or biases"
         scale = head_dim**-0.5 if scaling is None else scaling
         lengths = kwargs["kv_lengths"]
-        kernel = decode_attention is not None and decode_attention.supported(query, key, value)
-        if window is None and kernel:
+        if decode_attention is not None and decode_attention.supported(query, key, value):
             splits = decode_attention.splits_for(rows, key.shape[2], query.device)
-            return decode_attention.paged_decode_attention(query, key, value, tables, lengths, scale, splits), None
+            output = decode_attention.paged_decode_attention(query, key, value, tables, lengths, scale, splits, window)
+            return output, None
         return paged_reference(query, key, value, tables, lengths, scale, window), None
     if window is not None and not (rows == 1 and q_len == key.shape[2] and q_len <= window):
         # (A first chunk within the window sees what a causal mask shows it.)
@@ -174,6 +179,15 @@ def eager_attention(
     scaling, `softcap`, `s_aux` ...)."""
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
     tables = kwargs.get("kv_block_tables")
+    kernel = decode_attention is not None and decode_attention.supported(query, key, value)
+    if tables is not None and kernel and dropout == 0.0 and module.config.model_type in KERNEL_EAGER:
+        scale = query.shape[3] ** -0.5 if scaling is None else scaling
+        splits = decode_attention.splits_for(query.shape[0], key.shape[2], query.device)
+        output = decode_attention.paged_decode_attention(
+            query, key, value, tables, kwargs["kv_lengths"], scale, splits, window, kwargs.get("softcap"),
+            kwargs.get("s_aux"),
+        )  # fmt: skip
+        return output, None
     if tables is not None:  # the paged cache's pool: this row's keys and values gathered through its table
         key, value, attention_mask = paged_gather(key, value, tables, kwargs["kv_lengths"], query.dtype, window)
     elif window is not None:
@@ -196,8 +210,8 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
     gpt-oss); False and unchanged otherwise (flash attention, or eager without a window, as the model class or the
     caller asks). Raises ModelLoadError for an attention that the engine would compute otherwise than transformers:
     chunked attention (Llama 4), a mask of each head's own on CUDA (PER_HEAD_MASKS), a window outside sdpa and eager,
-    an eager attention layer whose modeling module has no `eager_attention_forward`, an eager model with a window on
-    CUDA, and on CUDA any attention but the engine's (models/hf.py refuses other layer types and attention kinds)."""
+    an eager attention layer whose modeling module has no `eager_attention_forward`, and on CUDA any attention but the
+    engine's (models/hf.py refuses other layer types and attention kinds)."""
     text = model.config.get_text_config()
     if getattr(text, "attention_chunk_size", None) is not None:
         raise ModelLoadError(f"{text.model_type}: chunked attention (attention_chunk_size) is not served yet")
@@ -207,6 +221,9 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
             "(the paged decode kernel takes none); on a CPU it is"
         )
     implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == "sdpa" and getattr(text, "attn_logit_softcapping", None) is not None:
+        model.set_attn_implementation("eager")  # the only attention of transformers that soft-caps
+        implementation = model.config._attn_implementation
     window = config_window(model.config)
     sliding = window is not None and window < context_length
     if implementation == "sdpa":
@@ -215,11 +232,6 @@ def use_engine_attention(model: torch.nn.Module, context_length: int) -> bool:
         if model.config._attn_implementation == NAME:
             return True
     elif implementation == "eager" and sliding:
-        if model.device.type == "cuda":
-            raise ModelLoadError(
-                f"{text.model_type}: a sliding window under transformers' eager attention (soft-capping, attention "
-                "sinks) on CUDA is not served yet; on a CPU it is"
-            )
         # transformers' attention layers, by its naming (Gemma2Attention, GptOssAttention), each with the function
         # that its modeling module defines for eager attention.
         layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]

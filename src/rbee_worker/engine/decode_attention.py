@@ -3,7 +3,14 @@
 
 The cache is a pool of blocks per layer ([num_blocks, block_size, kv_heads, head_dim], vLLM's layout): position p of
 row r lives in block `block_tables[r, p // block_size]` at offset `p % block_size`, and row r attends to its positions
-0 .. lengths[r] - 1 (a row of length 0 is padding: its output is zeros and nothing of the cache is read).
+0 .. lengths[r] - 1 (a row of length 0 is padding: its output is zeros and nothing of the cache is read), or in a
+sliding layer to its last `window` of them only.
+
+What transformers' attention layers add to plain softmax attention, as their eager functions compute it: a sliding
+window (Mistral, Gemma 2 / 3, gpt-oss: the chunks split only the window's positions, so a step reads the window and
+no more), logit soft-capping (Gemma 2: scores -> softcap * tanh(scores / softcap)), and attention sinks (gpt-oss: a
+logit per head that takes part in the softmax's denominator and adds no value), the last in the merge, or in the one
+split's own output.
 
 Why this shape: one decode step of one sequence is little work, rows x key/value heads wide (8 for a Llama-3.1-8B
 shape), on a GPU with many multiprocessors (132 on an H200). So each row's positions are also split into chunks, one
@@ -32,13 +39,13 @@ MAX_SPLITS = 64  # most programs per row and key/value head
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, part_ptr, lse_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, sinks_ptr, part_ptr, lse_ptr, o_ptr,
     stride_qr, stride_qh, stride_or, stride_oh,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     stride_tr, stride_tb,
-    scale,
+    scale, window, softcap,
     HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
@@ -49,8 +56,9 @@ def _split_kernel(
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, D), dtype=tl.float32)
     length = tl.load(lengths_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(length, BLOCK), SPLITS) * BLOCK  # whole steps, so every split but the last is full
-    start = split * chunk
+    first = tl.maximum(length - window, 0) if WINDOW else 0
+    chunk = tl.cdiv(tl.cdiv(length - first, BLOCK), SPLITS) * BLOCK  # whole steps: every split but the last is full
+    start = first + split * chunk
     end = tl.minimum(start + chunk, length)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
@@ -62,6 +70,8 @@ def _split_kernel(
         k = tl.load(k_head + block[:, None] * stride_kb + offset[:, None] * stride_kp + d[None, :],
                     mask=s_ok[:, None], other=0.0)  # fmt: skip
         scores = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP:  # softcap * tanh(scores / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
         scores = tl.where(s_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every step holds at least one position below end
         p = tl.exp(scores - m_new[:, None])
@@ -72,6 +82,9 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     seen = l_i > 0  # false for an empty chunk (beyond the row's length): zeros and lse = -inf, which the merge skips
+    if SPLITS == 1 and SINKS:  # the sink's share of the denominator, where the row has positions
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0).to(tl.float32)
+        l_i = tl.where(seen, l_i + tl.exp(sink - m_i), l_i)
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if SPLITS == 1:  # the row's only chunk: the output itself (a padding row's: zeros)
         o = o_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :]
@@ -85,8 +98,8 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_ptr, lse_ptr, o_ptr, stride_or, stride_oh,
-    HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr,
+    part_ptr, lse_ptr, sinks_ptr, o_ptr, stride_or, stride_oh,
+    HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     row, head = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -98,6 +111,9 @@ def _merge_kernel(
     weight = tl.where(full, tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
     parts = tl.load(part_ptr + where[:, None] * D + d[None, :], mask=full[:, None], other=0.0)
     total = tl.sum(weight, 0)
+    if SINKS:  # the sink's share of the denominator
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        total = tl.where(total > 0, total + tl.exp(sink - top), total)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # a padding row: no part, zeros
     tl.store(o_ptr + row * stride_or + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
@@ -137,15 +153,20 @@ def paged_decode_attention(
     lengths: torch.Tensor,
     scale: float,
     splits: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block: int = BLOCK_S,
     warps: int = WARPS,
     stages: int = STAGES,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over each row's positions 0 .. lengths[r] - 1, for query [rows, heads, 1, D], key and
     value caches [num_blocks, block_size, kv_heads, D] (views are fine: strides are followed), block_tables
-    [rows, max_blocks] int32 and lengths [rows] int32 (0: a padding row, whose output is zeros). Each row's positions
-    are split among `splits` programs (`splits_for`); `block`, `warps` and `stages` are the split kernel's launch
-    parameters (bench/decode_attention.py measures them). Returns [rows, 1, heads, D] in the query's dtype, as
+    [rows, max_blocks] int32 and lengths [rows] int32 (0: a padding row, whose output is zeros). With a `window`, only
+    each row's last `window` positions; with `softcap`, the scores soft-capped; with `sinks` ([heads], one logit per
+    query head), those logits in each head's softmax (see the module docstring). Each row's positions are split among
+    `splits` programs (`splits_for`); `block`, `warps` and `stages` are the split kernel's launch parameters
+    (bench/decode_attention.py measures them). Returns [rows, 1, heads, D] in the query's dtype, as
     transformers' attention functions do. The launch and its buffers depend on the shapes and `splits` alone, never on
     the lengths' values, so a CUDA graph of it replays for any lengths."""
     rows, heads, _, head_dim = query.shape
@@ -158,19 +179,22 @@ def paged_decode_attention(
     if splits > 1:
         part = torch.empty(rows, heads, splits, head_dim, device=query.device, dtype=torch.float32)
         lse = torch.empty(rows, heads, splits, device=query.device, dtype=torch.float32)
+    sinks = output if sinks is None else sinks.contiguous()  # read only with SINKS
     _split_kernel[(rows, kv_heads, splits)](
-        query, key_cache, value_cache, block_tables, lengths, part, lse, output,
+        query, key_cache, value_cache, block_tables, lengths, sinks, part, lse, output,
         query.stride(0), query.stride(1), output.stride(0), output.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
-        scale,
+        scale, window or 0, softcap or 0.0,
         HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK=block,
-        BLOCK_SIZE=block_size, SPLITS=splits, num_warps=warps, num_stages=stages,
+        BLOCK_SIZE=block_size, SPLITS=splits, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        SINKS=sinks is not output, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(rows, heads)](
-            part, lse, output, output.stride(0), output.stride(2),
+            part, lse, sinks, output, output.stride(0), output.stride(2),
             HEADS=heads, SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D=head_dim,
+            SINKS=sinks is not output,
         )  # fmt: skip
     return output
