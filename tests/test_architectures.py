@@ -10,6 +10,7 @@ The weights have a wide spread (initializer_range 0.5, Gemma's less) so that wha
 tokens: each windowed case checks that the same weights without the window give other tokens within the generated
 ones."""
 
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -115,13 +116,23 @@ def prompts(demo_tokenizer_dir: Path) -> list[list[int]]:
     return [tokenizer(text)["input_ids"] for text in (PROMPT, OTHER_PROMPT)]
 
 
+def transformers_version() -> str:
+    from transformers import __version__
+
+    return __version__
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path):
     made: dict[str, Path] = {}
 
     def get(case: str) -> Path:
+        from transformers import CONFIG_MAPPING
+
         if case not in made:
             model_type, overrides = CASES[case]
+            if model_type not in CONFIG_MAPPING:  # newer than this transformers (5.17 lacks ergo)
+                pytest.skip(f"transformers {transformers_version()} has no {model_type}")
             made[case] = make_tiny_model(
                 tmp_path_factory.mktemp(case), model_type, demo_tokenizer_dir, **{**SPREAD, **overrides}
             )
@@ -135,6 +146,11 @@ def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[lis
     """Alone, then four requests at once (two prompts twice: the second of each reads the first's cached blocks),
     with prompt chunks of 4 tokens (less than the window) in blocks of 4."""
     directory = tiny(case)
+    if case == "doge" and not hasattr(import_module("transformers.models.doge.modeling_doge").DogeForCausalLM,
+                                      "create_masks_for_generate"):  # fmt: skip
+        # Before it, DogeModel's forward drops the causal mask of a prompt (SDPA's is_causal shortcut) and then adds
+        # its dynamic mask to none: transformers' own prompt forward sees later tokens (5.17 does).
+        pytest.skip(f"transformers {transformers_version()}'s Doge attends to later tokens of a prompt")
     expected = [reference(directory, ids) for ids in prompts]
     if "sliding_window" in CASES[case][1]:  # the window changes the tokens: the comparisons below can fail
         assert reference(directory, prompts[0], sliding_window=512) != expected[0]  # a window as long as the context
