@@ -6,11 +6,13 @@ the config has them, head_dim 16, small MoE expert counts, a sliding window of 8
 lists sized to the layer count, the demo tokenizer's vocabulary; weights with a wide spread, initializer_range 0.5, or
 less where the model saturates: OVERRIDES), saved as a Hugging Face directory; then transformers' greedy `generate`
 of NEW_TOKENS tokens after each of two short prompts (float32, on the CPU) against the engine (Engine with prompt
-chunks of 4 tokens in blocks of 4, a 256 MiB KV pool): the first prompt alone, then both prompts at once. Each type
+chunks of 4 tokens in blocks of 4, shorter than the window, and a 256 MiB KV pool): the first prompt alone, then four
+requests at once, each prompt twice, where the second of each reads the blocks the first cached (the prefix-cache
+hits are recorded). Each type
 runs in a process of its own, forked from this one (torch and transformers imported once), stopped after --timeout
 seconds, so that one crash or hang does not stop the survey. Each type is classed as
 
-- `same`: the engine gives transformers' tokens, alone and together;
+- `same`: the engine gives transformers' tokens, alone and in all four together;
 - `differs`: other tokens (the first position that differs, alone and together);
 - `refused`: the engine refuses the model at load (ModelLoadError: the worker exits 2), with its message;
 - `error`: the engine fails otherwise (the exception's or error event's first line), or the process crashed or hung;
@@ -52,7 +54,7 @@ from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.loader import load_model
 
-NEW_TOKENS = 24
+NEW_TOKENS = 32
 PROMPTS = ("Once upon a time, in a small village by the sea, there lived", "def fibonacci(n):\n    if n < 2:\n")
 KV_CACHE_BYTES = 256 * 2**20
 RESULTS = Path(__file__).parent / "results" / "architectures"
@@ -195,16 +197,17 @@ def run_one(model_type: str, tokenizer_dir: Path, workdir: Path, threads: int) -
             reason = f"transformers' generate fails: {type(exc).__name__}: {first_line(exc)}"
             return {"class": "skipped", "reason": reason}
         alone = until_eos(generated(engine, [prompts[0]])[0], eos)
-        together = [until_eos(ids, eos) for ids in generated(engine, prompts)]
+        together = [until_eos(ids, eos) for ids in generated(engine, prompts * 2)]
+        _, cached = engine.prefix_cache_tokens()
     except Exception as exc:
         return {"class": "error", "reason": f"{type(exc).__name__}: {first_line(exc)}"}
     finally:
         engine.close()
-    record = {"expected": expected, "alone": alone, "together": together}
-    if alone == expected[0] and together == expected:
+    record = {"expected": expected, "alone": alone, "together": together, "prefix_cache_hit_tokens": cached}
+    if alone == expected[0] and together == expected * 2:
         return {"class": "same", **record}
     where = {"alone": first_difference(alone, expected[0])}
-    for i, (got, want) in enumerate(zip(together, expected, strict=True)):
+    for i, (got, want) in enumerate(zip(together, expected * 2, strict=True)):
         where[f"together[{i}]"] = first_difference(got, want)
     return {"class": "differs", "first_difference": {k: v for k, v in where.items() if v is not None}, **record}
 
@@ -325,9 +328,11 @@ def survey(types: list[str], timeout: float, jobs: int, threads: int) -> dict[st
 
 
 def summary(result: dict) -> str:
-    """A result's detail in one line: the reason, or where the tokens first differ."""
+    """A result's detail in one line: the reason, where the tokens first differ, or the prefix cache's hits."""
     if result["class"] == "differs":
         return "first differs at " + ", ".join(f"{k} {v}" for k, v in result["first_difference"].items())
+    if result["class"] == "same":
+        return f"{result['prefix_cache_hit_tokens']} prompt tokens read from the prefix cache"
     return result.get("reason", "")
 
 

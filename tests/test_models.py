@@ -590,10 +590,10 @@ def test_gguf_mistral_architecture_is_refused(
     tmp_path: Path, reference: Callable[[str], PreTrainedModel], tokenizer_metadata: dict[str, Any]
 ) -> None:
     """general.architecture "mistral" does not exist in llama.cpp (gguf-py has no tensor names for it): a file that
-    claims it is refused with a one-line error, not a KeyError."""
+    claims it is refused with a one-line error naming it and the llama.cpp runtime, not a KeyError."""
     path = tmp_path / "mistral-arch.gguf"
     write_gguf(path, reference("mistral"), "mistral", F32, tokenizer_metadata, tensor_arch="llama")
-    with pytest.raises(ModelLoadError, match=r"GGUF architecture 'mistral'.*not supported"):
+    with pytest.raises(ModelLoadError, match=r"GGUF architecture 'mistral' of mistral-arch.gguf.*--runtime llama.cpp"):
         load_model(str(path), FP32_CPU)
 
 

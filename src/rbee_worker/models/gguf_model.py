@@ -3,7 +3,8 @@
 transformers can load GGUF itself (`from_pretrained(..., gguf_file=...)`) but slowly (bench/results/README.md),
 mostly in gguf-py's reader and numpy dequantization; here the header is parsed directly, weights are dequantized with
 torch on the target device, and the model is assembled from a state dict without a second copy. A tensor-parallel
-rank (models/tp_loading.loading_shard) builds only its shard, one whole layer at a time (`fill_shard`).
+rank (models/tp_loading.loading_shard) builds only its shard, one whole layer at a time (`fill_shard`). This path
+takes ARCHITECTURES; every other architecture goes through transformers' own GGUF loading (gguf_transformers.py).
 """
 
 import math
@@ -27,6 +28,7 @@ from rbee_worker.models.gguf_quantized import (
     unpermute_rotary,
 )
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
+from rbee_worker.models.gguf_transformers import load_through_transformers
 from rbee_worker.models.loaded import LoadedModel, eos_ids, finish
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.models.tensor_parallel import shard_model
@@ -74,10 +76,7 @@ def load_gguf(
     file = read_gguf(path)
     arch = file.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} of {path.name} is not supported (supported: {', '.join(ARCHITECTURES)}); "
-            "use the model's Hugging Face directory instead"
-        )
+        return load_through_transformers(file, arch, end_token_ids(file), device, dtype, progress, quantized)
     config = gguf_config(file, arch)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("meta"):

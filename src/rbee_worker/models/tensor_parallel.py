@@ -186,7 +186,10 @@ def read_model_config(spec: str) -> tuple[PretrainedConfig, str]:
         file = read_gguf(path)
         arch = file.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
-            raise ModelLoadError(f"GGUF architecture {arch!r} of {path.name} is not supported")
+            raise ModelLoadError(
+                f"--tensor-parallel splits GGUF files of the {', '.join(ARCHITECTURES)} architectures; {path.name} is "
+                f"{arch}: use its Hugging Face directory"
+            )
         return gguf_config(file, arch), Path(path).stem
     return read_config(path), path.name
 

@@ -1,0 +1,153 @@
+"""GGUF files of architectures beyond gguf_model.py's own (llama, qwen2, qwen3) on the torch runtime, loaded through
+transformers' GGUF loading (models/gguf_transformers.py). A tiny random model is written as llama.cpp's
+convert_hf_to_gguf.py writes its architecture (metadata keys, gguf-py's tensor names, Gemma's norms stored as 1 + w);
+then the engine's greedy tokens must be transformers' `generate` tokens, both on the model loaded from the file and on
+the model it was written from (so the file holds that model), alone and four requests at once with prompt chunks
+shorter than the window.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import engine_config, greedy, make_tiny_model, submit_together
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rbee_worker.devices import resolve_placement
+from rbee_worker.engine.engine import Engine
+from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.types import Request
+from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.models.loader import load_model
+
+NEW_TOKENS = 32
+WINDOW = 8
+# GGUF architecture -> (transformers model type, its tiny config): fields that transformers' GGUF loading reads from
+# the file, the rest left at their defaults (what it assumes for a GGUF file).
+CASES = {
+    "gemma3": ("gemma3_text", {"sliding_window": WINDOW, "head_dim": 16, "initializer_range": 0.05}),
+    "gemma2": ("gemma2", {"sliding_window": WINDOW, "head_dim": 16, "initializer_range": 0.05}),
+    "phi3": ("phi3", {"num_key_value_heads": 4, "initializer_range": 0.5}),
+    "stablelm": ("stablelm", {"num_key_value_heads": 4, "initializer_range": 0.5}),
+    # Its GGUF keys carry no window (transformers keeps its default, 4096, that of StarCoder2-3B / 7B / 15B).
+    "starcoder2": ("starcoder2", {"initializer_range": 0.5}),
+}
+NORM_PLUS_ONE = {"gemma2", "gemma3"}  # Gemma's RMSNorm scales by 1 + w, llama.cpp's by w: the converter adds 1
+
+
+def write_gguf(path: Path, model: PreTrainedModel, arch: str, tokenizer_metadata: dict[str, Any]) -> None:
+    """`model` as a float32 GGUF file of `arch`, written as convert_hf_to_gguf.py does for it."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_architecture()
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if (eps := getattr(config, "rms_norm_eps", None)) is not None:
+        writer.add_layer_norm_rms_eps(eps)
+    else:
+        writer.add_layer_norm_eps(getattr(config, "layer_norm_eps", None) or config.norm_epsilon)
+    if (head_dim := getattr(config, "head_dim", None)) is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
+    if (window := getattr(config, "sliding_window", None)) is not None:
+        writer.add_sliding_window(window)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, value in tokenizer_metadata.items():  # the demo model's vocabulary, as llama.cpp writes its types
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied to the embedding: not in the checkpoint
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        data = tensor.numpy().astype(np.float32)
+        if arch in NORM_PLUS_ONE and gguf_name.endswith("norm.weight"):
+            data = data + 1
+        writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def reference(model: PreTrainedModel, prompt_ids: list[int]) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_a_gguf_file_transformers_reads_gives_its_tokens(
+    arch: str, tmp_path: Path, demo_gguf: Path, demo_tokenizer_dir: Path
+) -> None:
+    model_type, overrides = CASES[arch]
+    directory = make_tiny_model(tmp_path / "hf", model_type, demo_tokenizer_dir, **overrides)
+    original = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    metadata = {k: v for k, v in read_gguf(demo_gguf).metadata.items() if k.startswith("tokenizer.")}
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, original, arch, metadata)
+    from_file = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+
+    engine = Engine(
+        lambda: load_model(str(path), resolve_placement("cpu", "float32"), runtime="torch"),
+        engine_config(max_batch=4, prefill_chunk=4, block_size=4),
+    )
+    try:
+        assert engine.loaded.info.architecture == model_type and engine.loaded.info.format == "gguf"
+        prompts = [engine.tokenize(text) for text in ("Once upon a time, in a small village by the sea,", "def f(n):")]
+        expected = [reference(from_file, list(ids)) for ids in prompts]
+        assert expected == [reference(original, list(ids)) for ids in prompts]
+        if "sliding_window" in overrides:
+            assert reference(original, list(prompts[0])) != reference_without_window(directory, list(prompts[0]))
+        alone, _ = greedy(engine, prompts[0], NEW_TOKENS)
+        requests = [Request(ids, max_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0)) for ids in prompts * 2]
+        together = submit_together(engine, requests)
+    finally:
+        engine.close()
+    assert alone == expected[0]
+    assert together == expected * 2
+
+
+def reference_without_window(directory: Path, prompt_ids: list[int]) -> list[int]:
+    """transformers' tokens with a window as long as the context: the window changes the tokens, so the comparisons
+    above can fail."""
+    return reference(
+        AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=512), prompt_ids
+    )
+
+
+def test_a_gguf_architecture_transformers_cannot_read_exits_naming_the_llama_cpp_runtime(
+    tmp_path: Path, demo_gguf: Path
+) -> None:
+    """A GGUF file whose architecture neither loader maps (its name made up here) is refused at load (exit 2), naming
+    the file and the llama.cpp runtime."""
+    path = tmp_path / "made-up.gguf"
+    writer = gguf.GGUFWriter(path, "made_up_arch")
+    writer.add_architecture()
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"made_up_arch.*made-up\.gguf.*--runtime llama\.cpp"):
+        load_model(str(path), resolve_placement("cpu", "float32"), runtime="torch")
