@@ -58,6 +58,9 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str, tokenizer_metadata
     if (head_dim := getattr(config, "head_dim", None)) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch in ("phi3", "stablelm"):  # the rotary part of a head (StableLM: a quarter of it)
+        head = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(getattr(config, "partial_rotary_factor", 1.0) * head))
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     if (window := getattr(config, "sliding_window", None)) is not None:
@@ -151,3 +154,35 @@ def test_a_gguf_architecture_transformers_cannot_read_exits_naming_the_llama_cpp
     writer.close()
     with pytest.raises(ModelLoadError, match=r"made_up_arch.*made-up\.gguf.*--runtime llama\.cpp"):
         load_model(str(path), resolve_placement("cpu", "float32"), runtime="torch")
+
+
+# llama.cpp looks up Phi-3's own <|end|> token in the vocabulary, which the demo model's has not.
+@pytest.mark.parametrize("arch", [arch for arch in CASES if arch != "phi3"])
+def test_on_the_llama_cpp_runtime_a_file_gives_llama_cpp_pythons_tokens(
+    arch: str, tmp_path: Path, demo_gguf: Path, demo_tokenizer_dir: Path
+) -> None:
+    """The same files on the llama.cpp runtime: the worker's greedy tokens are llama-cpp-python's own greedy
+    generation's, fed the same ids."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model_type, overrides = CASES[arch]
+    directory = make_tiny_model(tmp_path / "hf", model_type, demo_tokenizer_dir, **overrides)
+    metadata = {k: v for k, v in read_gguf(demo_gguf).metadata.items() if k.startswith("tokenizer.")}
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), arch, metadata)
+    engine = Engine(
+        lambda: load_model(str(path), resolve_placement("cpu", "auto"), runtime="llama.cpp"),
+        engine_config(max_batch=4, threads=2),
+    )
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, flash_attn=True)
+    try:
+        ids = list(engine.tokenize("Once upon a time, in a small village by the sea,"))
+        ours, _ = greedy(engine, ids, NEW_TOKENS)
+        theirs: list[int] = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            if token in engine.loaded.info.eos_token_ids or len(theirs) == NEW_TOKENS:
+                break
+            theirs.append(token)
+    finally:
+        engine.close()
+        llm.close()
+    assert ours == theirs
