@@ -298,14 +298,22 @@ def test_quantized_model_decodes_with_graphs_as_eagerly(random_llama: Path, mode
             results.append([greedy(engine, ids, 32)[0] for ids in prompts])
             if graphs:
                 continue
-            for ids, with_graphs, eager in zip(prompts, *results, strict=True):
-                if with_graphs != eager:
-                    at = next(i for i, (a, b) in enumerate(zip(with_graphs, eager, strict=True)) if a != b)
-                    (first, best), (second, runner_up) = top_two(engine, (*ids, *eager[:at]))
-                    print(f"{mode}: first difference at token {at}, logprobs {best:.4f} / {runner_up:.4f}")
-                    assert {first, second} == {with_graphs[at], eager[at]} and best - runner_up <= NEAR_TIE
+            agree_but_near_ties(engine, prompts, *results, mode)
         finally:
             engine.close()
+
+
+def agree_but_near_ties(
+    engine: Engine, prompts: list, with_graphs: list[list[int]], eager: list[list[int]], label: str
+) -> None:
+    """Each prompt's tokens with graphs equal the eager `engine`'s, or where they first differ, the eager engine's two
+    most likely tokens are those two, within NEAR_TIE of each other."""
+    for ids, graphed, plain in zip(prompts, with_graphs, eager, strict=True):
+        if graphed != plain:
+            at = next(i for i, (a, b) in enumerate(zip(graphed, plain, strict=True)) if a != b)
+            (first, best), (second, runner_up) = top_two(engine, (*ids, *plain[:at]))
+            print(f"{label}: first difference at token {at}, logprobs {best:.4f} / {runner_up:.4f}")
+            assert {first, second} == {graphed[at], plain[at]} and best - runner_up <= NEAR_TIE
 
 
 def top_two(engine: Engine, prompt_ids: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
@@ -380,12 +388,7 @@ def test_windows_in_bfloat16_decode_with_the_kernel_as_eagerly(
             results.append([greedy(engine, ids, 40)[0] for ids in prompts])
             if graphs:
                 continue
-            for ids, with_graphs, eager in zip(prompts, *results, strict=True):
-                if with_graphs != eager:
-                    at = next(i for i, (a, b) in enumerate(zip(with_graphs, eager, strict=True)) if a != b)
-                    (first, best), (second, runner_up) = top_two(engine, (*ids, *eager[:at]))
-                    print(f"{case}: first difference at token {at}, logprobs {best:.4f} / {runner_up:.4f}")
-                    assert {first, second} == {with_graphs[at], eager[at]} and best - runner_up <= NEAR_TIE
+            agree_but_near_ties(engine, prompts, *results, case)
         finally:
             engine.close()
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import engine_config, greedy, make_tiny_model, submit_together
+from test_models import add_tokenizer_metadata
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rbee_worker.devices import resolve_placement
@@ -66,15 +67,7 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str, tokenizer_metadata
     if (window := getattr(config, "sliding_window", None)) is not None:
         writer.add_sliding_window(window)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for key, value in tokenizer_metadata.items():  # the demo model's vocabulary, as llama.cpp writes its types
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_tokenizer_metadata(writer, tokenizer_metadata)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:

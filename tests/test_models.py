@@ -388,17 +388,7 @@ def write_gguf(
     if arch == "llama":  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim or config.hidden_size // config.num_attention_heads)
-    # The demo model's vocabulary (which the tiny models use), with the value types llama.cpp writes.
-    for key, value in tokenizer_metadata.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
-
+    add_tokenizer_metadata(writer, tokenizer_metadata)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[(tensor_arch or arch).upper()], config.num_hidden_layers)
     stored: dict[str, torch.Tensor] = {}
     for hf_name, tensor in model.state_dict().items():
@@ -424,6 +414,19 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def add_tokenizer_metadata(writer: gguf.GGUFWriter, metadata: dict[str, Any]) -> None:
+    """The demo model's vocabulary (which the tiny models use), with the value types llama.cpp writes."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
 
 
 def with_weights(model: PreTrainedModel, weights: dict[str, torch.Tensor]) -> PreTrainedModel:
