@@ -36,6 +36,17 @@ CASES = {
     "stablelm": ("stablelm", {"num_key_value_heads": 4, "initializer_range": 0.5}),
     # Its GGUF keys carry no window (transformers keeps its default, 4096, that of StarCoder2-3B / 7B / 15B).
     "starcoder2": ("starcoder2", {"initializer_range": 0.5}),
+    # transformers reads no expert width from the file: its default, 768 (Qwen3-30B-A3B's), stands.
+    "qwen3moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "initializer_range": 0.5,
+        },
+    ),
 }
 NORM_PLUS_ONE = {"gemma2", "gemma3"}  # Gemma's RMSNorm scales by 1 + w, llama.cpp's by w: the converter adds 1
 
@@ -66,12 +77,26 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str, tokenizer_metadata
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     if (window := getattr(config, "sliding_window", None)) is not None:
         writer.add_sliding_window(window)
+    if (experts := getattr(config, "num_experts", None)) is not None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_tokenizer_metadata(writer, tokenizer_metadata)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied to the embedding: not in the checkpoint
+        if hf_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            # transformers' fused experts ([experts, 2 x width, hidden]: gate, then up): stacked per projection
+            block = f"blk.{hf_name.split('.')[2]}"
+            if hf_name.endswith("down_proj"):
+                writer.add_tensor(f"{block}.ffn_down_exps.weight", tensor.numpy())
+            else:
+                gate, up = tensor.chunk(2, dim=1)
+                writer.add_tensor(f"{block}.ffn_gate_exps.weight", gate.contiguous().numpy())
+                writer.add_tensor(f"{block}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(base)}.{suffix}"
         data = tensor.numpy().astype(np.float32)
