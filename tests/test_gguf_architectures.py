@@ -23,6 +23,8 @@ from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
 
 NEW_TOKENS = 32
@@ -51,8 +53,15 @@ CASES = {
 NORM_PLUS_ONE = {"gemma2", "gemma3"}  # Gemma's RMSNorm scales by 1 + w, llama.cpp's by w: the converter adds 1
 
 
-def write_gguf(path: Path, model: PreTrainedModel, arch: str, tokenizer_metadata: dict[str, Any]) -> None:
-    """`model` as a float32 GGUF file of `arch`, written as convert_hf_to_gguf.py does for it."""
+def write_gguf(
+    path: Path,
+    model: PreTrainedModel,
+    arch: str,
+    tokenizer_metadata: dict[str, Any],
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> None:
+    """`model` as a GGUF file of `arch`, written as convert_hf_to_gguf.py does for it: its matrices in `qtype`, the
+    rest (norms, biases) in float32."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_architecture()
@@ -102,7 +111,8 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str, tokenizer_metadata
         data = tensor.numpy().astype(np.float32)
         if arch in NORM_PLUS_ONE and gguf_name.endswith("norm.weight"):
             data = data + 1
-        writer.add_tensor(gguf_name, data)
+        stored = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(gguf_name, gguf.quants.quantize(data, stored), raw_dtype=stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -146,6 +156,29 @@ def test_a_gguf_file_transformers_reads_gives_its_tokens(
         engine.close()
     assert alone == expected[0]
     assert together == expected * 2
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0], ids=str)
+def test_a_quantized_file_keeps_its_matrices_quantized(
+    qtype: gguf.GGMLQuantizationType, tmp_path: Path, demo_gguf: Path, demo_tokenizer_dir: Path
+) -> None:
+    """`--quantize int4` (or int8: the file's types either way) of a Q4_0 / Q8_0 Gemma 3: every projection of its
+    layers is rebuilt from the file's codes (Int4Linear, Int8Linear as gguf_model keeps them), and its last logits
+    stay within 2% of the largest of transformers' over the file's dequantized weights (the kernels compute in
+    bfloat16)."""
+    model_type, overrides = CASES["gemma3"]
+    directory = make_tiny_model(tmp_path / "hf", model_type, demo_tokenizer_dir, **overrides)
+    metadata = {k: v for k, v in read_gguf(demo_gguf).metadata.items() if k.startswith("tokenizer.")}
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gguf(path, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), "gemma3", metadata, qtype)
+    loaded = load_model(str(path), resolve_placement("cpu", "float32"), runtime="torch", quantize="int4")
+    from_file = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    kind = Int4Linear if qtype == gguf.GGMLQuantizationType.Q4_0 else Int8Linear
+    assert sum(isinstance(m, kind) for m in loaded.model.modules()) == 7 * from_file.config.num_hidden_layers
+    ids = torch.tensor([loaded.tokenizer("Once upon a time, in a small village by the sea,")["input_ids"]])
+    with torch.inference_mode():
+        ours, theirs = loaded.model(ids).logits[0, -1].float(), from_file(ids).logits[0, -1]
+    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
 
 
 def reference_without_window(directory: Path, prompt_ids: list[int]) -> list[int]:

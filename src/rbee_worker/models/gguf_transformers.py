@@ -2,8 +2,10 @@
 (`from_pretrained(..., gguf_file=...)`, transformers.integrations.ggml): its config keys, tensor names and
 per-architecture rewrites (Gemma's norm offsets, Qwen-MoE's stacked experts, ...), for Gemma 2 / 3, Phi-3, Falcon,
 Qwen2-MoE, Qwen3-MoE, StarCoder2, StableLM, GPT-2, Nemotron, gpt-oss and whatever else the installed transformers
-reads. The weights are dequantized to the dtype (transformers dequantizes them all; the int4 / int8 kernels take
-gguf_model's architectures only) and the file's tokenizer is rebuilt as llama.cpp tokenizes (gguf_tokenizer). An
+reads. transformers dequantizes every tensor (in host memory); where the file's quantized matrices are to stay
+quantized (`quantized`), each linear layer or embedding whose weight transformers loaded exactly as the file stores
+it (no rewrite changed it) is then rebuilt from the file's codes and scales as gguf_model does (Int4Linear /
+Int8Linear), the rest staying as loaded. The file's tokenizer is rebuilt as llama.cpp tokenizes (gguf_tokenizer). An
 architecture that transformers cannot read exits 2 naming the llama.cpp runtime, which runs every architecture
 llama.cpp has.
 """
@@ -12,11 +14,13 @@ import logging
 import math
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.gguf_format import GGUFFile
+from rbee_worker.models.gguf_quantized import keep_quantized, kept_bytes_per_weight, quantized_weights
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.hf import check_attention, check_layer_types, check_loading_info, first_line
 from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
@@ -31,8 +35,8 @@ def load_through_transformers(
     quantized: bool,
 ) -> LoadedModel:  # fmt: skip
     """The model of a GGUF `file` of architecture `arch` on `device` in `dtype`, loaded by transformers; `end_ids`:
-    the file's end-of-generation ids besides its config's EOS. `quantized` (the file's types asked to stay): logged,
-    as these weights load dequantized."""
+    the file's end-of-generation ids besides its config's EOS; with `quantized`, the file's quantized matrices kept
+    where transformers loaded them unchanged (see the module docstring)."""
     path = file.path
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -48,11 +52,7 @@ def load_through_transformers(
             f"--tensor-parallel splits GGUF files of the llama, qwen2 and qwen3 architectures; {path.name} is {arch}: "
             "use its Hugging Face directory"
         )
-    if quantized:
-        log.warning("%s (%s) loads dequantized to %s: the quantized kernels take llama, qwen2 and qwen3 GGUF files",
-                    path.name, arch, str(dtype).removeprefix("torch."))  # fmt: skip
     weight_bytes = sum(math.prod(info.shape) for info in file.tensors.values()) * dtype.itemsize
-    check_fits(weight_bytes, device, f"the weights of {path.name} (dequantized to {dtype})")
     progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes)
     tokenizer = build_tokenizer(file.metadata)
     try:
@@ -66,6 +66,17 @@ def load_through_transformers(
             "--runtime llama.cpp, which runs the architectures llama.cpp has"
         ) from exc
     check_loading_info(loading_info, path, config.model_type)
+    kept = kept_as_stored(file, arch, model, dtype) if quantized else {}
+    if quantized and not kept:
+        log.warning("%s (%s) loads dequantized to %s: none of its quantized matrices loads as the file stores it",
+                    path.name, arch, str(dtype).removeprefix("torch."))  # fmt: skip
+    kept_bytes = sum(
+        math.prod(file.tensors[name].shape) * (kept_bytes_per_weight(file.tensors[name].ggml_type) - dtype.itemsize)
+        for name in kept.values()
+    )
+    check_fits(int(weight_bytes + kept_bytes), device, f"the weights of {path.name}")
+    if kept:
+        keep_quantized(model, file, arch, config, kept, device, dtype, progress)
     info = {
         "name": path.stem,
         "path": path,
@@ -76,3 +87,20 @@ def load_through_transformers(
         "dtype": dtype,
     }
     return finish(model.to(device), tokenizer, info, device)
+
+
+def kept_as_stored(file: GGUFFile, arch: str, model: PreTrainedModel, dtype: torch.dtype) -> dict[str, str]:
+    """Parameter name -> GGUF tensor, of the linear layers' and embeddings' weights that the file stores in a type
+    kept quantized (gguf_quantized.quantized_weights) and that transformers loaded exactly as the file's own
+    dequantized values: a weight that one of its per-architecture rewrites changed (a permutation, an offset) is left
+    as loaded, so what stays quantized is what the file stores."""
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    sources = {hf: name for name, hf in get_gguf_hf_weights_map(model, processor).items() if name in file.tensors}
+    parameters = dict(model.named_parameters())
+    kept = {}
+    for hf_name, name in quantized_weights(file, sources, model).items():
+        loaded = parameters.get(hf_name)
+        stored = file.load(name, dtype)
+        if loaded is not None and stored.shape == loaded.shape and torch.equal(stored, loaded.detach()):
+            kept[hf_name] = name
+    return kept
