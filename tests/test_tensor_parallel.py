@@ -33,6 +33,8 @@ import torch
 from cli_forks import ask_zygote
 from conftest import cli, make_tiny_model
 from serving import execute, free_port, launch, read_rest, running, sse_events, take_tokens
+from test_architectures import CASES as ARCHITECTURES
+from test_architectures import SPREAD
 from test_load_errors import assert_error
 from transformers import AutoModelForCausalLM
 
@@ -424,3 +426,20 @@ def test_a_rank_that_dies_ends_the_whole_worker(tmp_path: Path, tiny_tp_model: P
         if worker.process.poll() is None:
             worker.process.kill()
             worker.process.wait()
+
+
+@pytest.mark.parametrize("case", ["mistral", "qwen2"])
+def test_sliding_windows_over_2_ranks_give_one_process_tokens(
+    case: str, tmp_path: Path, demo_tokenizer_dir: Path
+) -> None:
+    """Sliding layers under tensor parallelism, each rank's heads over the same window (Mistral's on every layer,
+    Qwen2's upper layers), through serve, against one process (which tests/test_architectures.py holds to
+    transformers). (Gemma and gpt-oss are not cut: their scaled embeddings and experts are refused at load.)"""
+    model_type, overrides = ARCHITECTURES[case]
+    model = str(make_tiny_model(tmp_path / case, model_type, demo_tokenizer_dir, **{**SPREAD, **overrides}))
+    flags = ("--model", model, "--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.1")
+    with running(tmp_path, *flags, fork=True) as worker:
+        alone = completions(worker.url, model=model)
+    with running(tmp_path, *flags, "--tensor-parallel", "2", fork=True) as worker:
+        split = completions(worker.url, model=model)
+    assert [c["logprobs"]["tokens"] for c in split] == [c["logprobs"]["tokens"] for c in alone]
