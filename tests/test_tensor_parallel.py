@@ -265,13 +265,8 @@ def test_serve_over_4_ranks_with_2_key_value_heads_gives_one_process_tokens(
     tiny_qwen2_2_kv_heads: Path, tmp_path: Path
 ) -> None:
     """Through the engine (its attention, the paged KV cache of one key/value head a rank, the padded vocabulary)."""
-    model = str(tiny_qwen2_2_kv_heads)
-    flags = ("--model", model, "--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.1")
-    with running(tmp_path, *flags, fork=True) as worker:
-        alone = completions(worker.url, model=model)
-    with running(tmp_path, *flags, "--tensor-parallel", "4", fork=True) as worker:
-        split = completions(worker.url, model=model)
-    assert [c["logprobs"]["tokens"] for c in split] == [c["logprobs"]["tokens"] for c in alone]
+    alone, split = served_alone_and_split(str(tiny_qwen2_2_kv_heads), 4, tmp_path)
+    assert split == alone
 
 
 def test_the_vocabulary_splits_into_padded_shards() -> None:
@@ -319,6 +314,16 @@ def test_auto_runtime_picks_torch_and_float_weights_under_tensor_parallel() -> N
     assert args.tensor_parallel == 3
     assert runtime_for(args, CPU) == "torch"
     assert quantize_for(args, Placement(CPU, torch.bfloat16)) == "none"
+
+
+def served_alone_and_split(model: str, world: int, tmp_path: Path) -> tuple[list[list[str]], list[list[str]]]:
+    """The greedy tokens of `completions` from MODEL served (float32, CPU) by one process, then over `world` ranks."""
+    flags = ("--model", model, "--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.1")
+    tokens = []
+    for parallel in ((), ("--tensor-parallel", str(world))):
+        with running(tmp_path, *flags, *parallel, fork=True) as worker:
+            tokens.append([c["logprobs"]["tokens"] for c in completions(worker.url, model=model)])
+    return tokens[0], tokens[1]
 
 
 def completions(url: str, logprobs: int = 0, model: str = "demo") -> list[dict]:
@@ -437,9 +442,5 @@ def test_sliding_windows_over_2_ranks_give_one_process_tokens(
     transformers). (Gemma and gpt-oss are not cut: their scaled embeddings and experts are refused at load.)"""
     model_type, overrides = ARCHITECTURES[case]
     model = str(make_tiny_model(tmp_path / case, model_type, demo_tokenizer_dir, **{**SPREAD, **overrides}))
-    flags = ("--model", model, "--dtype", "float32", "--device", "cpu", "--max-batch", "4", "--kv-cache-gb", "0.1")
-    with running(tmp_path, *flags, fork=True) as worker:
-        alone = completions(worker.url, model=model)
-    with running(tmp_path, *flags, "--tensor-parallel", "2", fork=True) as worker:
-        split = completions(worker.url, model=model)
-    assert [c["logprobs"]["tokens"] for c in split] == [c["logprobs"]["tokens"] for c in alone]
+    alone, split = served_alone_and_split(model, 2, tmp_path)
+    assert split == alone

@@ -74,11 +74,10 @@ def attention(
         assert plain, "paged decode steps run without softcap or biases"
         scale = head_dim**-0.5 if scaling is None else scaling
         lengths = kwargs["kv_lengths"]
-        if decode_attention is not None and decode_attention.supported(query, key, value):
-            splits = decode_attention.splits_for(rows, key.shape[2], query.device)
-            output = decode_attention.paged_decode_attention(query, key, value, tables, lengths, scale, splits, window)
-            return output, None
-        return paged_reference(query, key, value, tables, lengths, scale, window), None
+        output = paged_kernel(query, key, value, tables, lengths, scale, window)
+        if output is None:
+            output = paged_reference(query, key, value, tables, lengths, scale, window)
+        return output, None
     if window is not None and not (rows == 1 and q_len == key.shape[2] and q_len <= window):
         # (A first chunk within the window sees what a causal mask shows it.)
         attention_mask = windowed(attention_mask, kwargs["query_positions"], key.shape[2], window)
@@ -105,6 +104,27 @@ def attention(
         )
         return output.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def paged_kernel(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A decode step's attention over the paged pool by decode_attention.py's kernel, None where it does not take
+    these tensors (no Triton, or decode_attention.supported says no)."""
+    if decode_attention is None or not decode_attention.supported(query, key_pool, value_pool):
+        return None
+    splits = decode_attention.splits_for(query.shape[0], key_pool.shape[2], query.device)
+    return decode_attention.paged_decode_attention(
+        query, key_pool, value_pool, tables, lengths, scale, splits, window, softcap, sinks
+    )
 
 
 def windowed(mask: torch.Tensor, query_positions: torch.Tensor, key_len: int, window: int) -> torch.Tensor:
@@ -179,15 +199,14 @@ def eager_attention(
     scaling, `softcap`, `s_aux` ...)."""
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
     tables = kwargs.get("kv_block_tables")
-    kernel = decode_attention is not None and decode_attention.supported(query, key, value)
-    if tables is not None and kernel and dropout == 0.0 and module.config.model_type in KERNEL_EAGER:
+    if tables is not None and dropout == 0.0 and module.config.model_type in KERNEL_EAGER:
         scale = query.shape[3] ** -0.5 if scaling is None else scaling
-        splits = decode_attention.splits_for(query.shape[0], key.shape[2], query.device)
-        output = decode_attention.paged_decode_attention(
-            query, key, value, tables, kwargs["kv_lengths"], scale, splits, window, kwargs.get("softcap"),
-            kwargs.get("s_aux"),
-        )  # fmt: skip
-        return output, None
+        lengths = kwargs["kv_lengths"]
+        output = paged_kernel(
+            query, key, value, tables, lengths, scale, window, kwargs.get("softcap"), kwargs.get("s_aux")
+        )
+        if output is not None:
+            return output, None
     if tables is not None:  # the paged cache's pool: this row's keys and values gathered through its table
         key, value, attention_mask = paged_gather(key, value, tables, kwargs["kv_lengths"], query.dtype, window)
     elif window is not None:

@@ -7,7 +7,6 @@ rank (models/tp_loading.loading_shard) builds only its shard, one whole layer at
 takes ARCHITECTURES; every other architecture goes through transformers' own GGUF loading (gguf_transformers.py).
 """
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,10 @@ from rbee_worker.models.dequant import dequantize
 from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_quantized import (
     keep_quantized,
-    kept_bytes_per_weight,
     permuted_heads,
     quantized_weights,
     unpermute_rotary,
+    weight_bytes,
 )
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.gguf_transformers import load_through_transformers
@@ -84,15 +83,12 @@ def load_gguf(
     expected = skeleton.state_dict()
     sources = tensor_sources(file, arch, expected, config)
     kept = quantized_weights(file, sources, skeleton) if quantized else {}
-    kept_tensors = set(kept.values())
-    weight_bytes = sum(
-        math.prod(info.shape) * (kept_bytes_per_weight(info.ggml_type) if name in kept_tensors else dtype.itemsize)
-        for name, info in file.tensors.items()
-    )
+    loaded_bytes = weight_bytes(file, dtype, set(kept.values()))
     shard = shard_to_load()  # a tensor-parallel rank's part alone (fill_shard), or None
-    shard_bytes = int(weight_bytes) // (shard.world if shard else 1)
-    check_fits(shard_bytes, device, f"the weights of {path.name} (dequantized to {dtype})")
-    progress.expect(config.num_hidden_layers, int(weight_bytes))  # a rank too reads every tensor whole
+    check_fits(
+        loaded_bytes // (shard.world if shard else 1), device, f"the weights of {path.name} (dequantized to {dtype})"
+    )
+    progress.expect(config.num_hidden_layers, loaded_bytes)  # a rank too reads every tensor whole
     tokenizer = build_tokenizer(file.metadata)
     placeholders = set(sources) if shard else set(kept)
     state_dict = gguf_state_dict(file, arch, sources, expected, config, device, dtype, progress, placeholders)

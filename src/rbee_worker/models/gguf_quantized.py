@@ -4,6 +4,8 @@ dequantized weights; and llama.cpp's rotary permutation of the Q / K rows undone
 matrices both need (models/gguf_model.py builds the model around them).
 """
 
+import math
+
 import gguf
 import torch
 from transformers import PretrainedConfig
@@ -30,6 +32,17 @@ QUANTIZED_TYPES = INT4_GROUP_TYPES | INT8_TYPES
 def kept_bytes_per_weight(ggml_type: int) -> float:
     """About what a weight kept quantized takes (an int4 type kept as an embedding takes about twice that)."""
     return INT4_BYTES_PER_WEIGHT if ggml_type in INT4_GROUP_TYPES else INT8_BYTES_PER_WEIGHT
+
+
+def weight_bytes(file: GGUFFile, dtype: torch.dtype, kept: set[str]) -> int:
+    """About the bytes the file's tensors take loaded: the `kept` tensors (GGUF names) quantized, the rest in
+    `dtype`."""
+    return int(
+        sum(
+            math.prod(info.shape) * (kept_bytes_per_weight(info.ggml_type) if name in kept else dtype.itemsize)
+            for name, info in file.tensors.items()
+        )
+    )
 
 
 def quantized_weights(file: GGUFFile, sources: dict[str, str], skeleton: torch.nn.Module) -> dict[str, str]:

@@ -11,7 +11,6 @@ llama.cpp has.
 """
 
 import logging
-import math
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -20,7 +19,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.gguf_format import GGUFFile
-from rbee_worker.models.gguf_quantized import keep_quantized, kept_bytes_per_weight, quantized_weights
+from rbee_worker.models.gguf_quantized import QUANTIZED_TYPES, keep_quantized, quantized_weights, weight_bytes
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.hf import check_attention, check_layer_types, check_loading_info, first_line
 from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
@@ -52,8 +51,12 @@ def load_through_transformers(
             f"--tensor-parallel splits GGUF files of the llama, qwen2 and qwen3 architectures; {path.name} is {arch}: "
             "use its Hugging Face directory"
         )
-    weight_bytes = sum(math.prod(info.shape) for info in file.tensors.values()) * dtype.itemsize
-    progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes)
+    # Before the load, the least the device will hold (every quantized tensor kept); after it, what it will.
+    quantized_tensors = (
+        {n for n, info in file.tensors.items() if info.ggml_type in QUANTIZED_TYPES} if quantized else set()
+    )
+    check_fits(weight_bytes(file, dtype, quantized_tensors), device, f"the weights of {path.name}")
+    progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes(file, dtype, set()))
     tokenizer = build_tokenizer(file.metadata)
     try:
         with progress.counting_parameters():
@@ -70,11 +73,7 @@ def load_through_transformers(
     if quantized and not kept:
         log.warning("%s (%s) loads dequantized to %s: none of its quantized matrices loads as the file stores it",
                     path.name, arch, str(dtype).removeprefix("torch."))  # fmt: skip
-    kept_bytes = sum(
-        math.prod(file.tensors[name].shape) * (kept_bytes_per_weight(file.tensors[name].ggml_type) - dtype.itemsize)
-        for name in kept.values()
-    )
-    check_fits(int(weight_bytes + kept_bytes), device, f"the weights of {path.name}")
+    check_fits(weight_bytes(file, dtype, set(kept.values())), device, f"the weights of {path.name}")
     if kept:
         keep_quantized(model, file, arch, config, kept, device, dtype, progress)
     info = {
