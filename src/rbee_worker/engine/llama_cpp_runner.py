@@ -67,6 +67,9 @@ DECODE_ERRORS = {
 }
 PROMPT_CACHE_BYTES = 8 << 30  # the most host memory saved states take (llama-server's --cache-ram default)
 UNIFORM_ROWS = 64  # the fewest tokens of a batch whose rows llama.cpp's CPU kernels round alike (see LlamaCppRunner)
+# llama_get_logits returning the buffer's address as an int (llama-cpp-python's binding returns a float pointer object).
+_logits_address = native._lib["llama_get_logits"]
+_logits_address.argtypes, _logits_address.restype = [ctypes.c_void_p], ctypes.c_void_p
 
 
 class DecodeFailed(RuntimeError):
@@ -124,6 +127,8 @@ class LlamaCppRunner:
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
         self.vocab_size = model.vocab_size
         self.sampling = RowSampling(rows, model.vocab_size, CPU)
+        self._views: dict[int, np.ndarray] = {}  # _logits's views of llama.cpp's logits buffer, by row count
+        self._views_at: int | None = None  # that buffer's address
         # A recurrent or hybrid model's state cannot be cut at a position, and a sliding-window model keeps no early
         # positions to give: they reuse nothing.
         self.reusing = (
@@ -325,13 +330,20 @@ class LlamaCppRunner:
         batch.seq_id[index][0] = row
         batch.logits[index] = logits
 
-    def _logits(self, rows: int) -> torch.Tensor:
+    def _logits(self, rows: int) -> np.ndarray:
         """The last llama_decode's output rows, in batch order, as a [rows, vocab] float32 view of llama.cpp's buffer
-        (valid until the next llama_decode)."""
-        vocab = self.model.vocab_size
-        address = ctypes.cast(native.llama_get_logits(self._context), ctypes.c_void_p).value
-        buffer = (ctypes.c_float * (rows * vocab)).from_address(address)
-        return torch.frombuffer(buffer, dtype=torch.float32).view(rows, vocab)
+        (valid until the next llama_decode). llama.cpp keeps that buffer until a step outputs more rows than it holds,
+        so the views are kept by row count for as long as its address stays: a new view costs more right after a
+        forward than the step's greedy sampling."""
+        address = _logits_address(self._context)
+        if address != self._views_at:
+            self._views, self._views_at = {}, address
+        view = self._views.get(rows)
+        if view is None:
+            vocab = self.model.vocab_size
+            buffer = (ctypes.c_float * (rows * vocab)).from_address(address)
+            view = self._views[rows] = np.ctypeslib.as_array(buffer).reshape(rows, vocab)
+        return view
 
     def close(self) -> None:
         """Free the batch, the context and the model (the engine thread is done with them)."""

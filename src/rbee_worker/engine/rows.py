@@ -5,12 +5,13 @@ batch row's sampling state (its grammar's mask included) with the batched sample
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import psutil
 import torch
 
 from rbee_worker.engine.grammar import Matcher, fill_masks, host_bitmask
 from rbee_worker.engine.runner import KvGeometry, Sampled
-from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample, unpack
+from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, plain_on_host, sample, unpack
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import TokenLogprob
 from rbee_worker.errors import ModelLoadError
@@ -109,16 +110,26 @@ class RowSampling:
         token, valid, logprob, top = unpack(packed, self._logprobs[row])
         return Sampled(token, valid, None if logprob is None else TokenLogprob(token, logprob, top))
 
-    def sample(self, logits: torch.Tensor, rows: list[int], live: list[bool]) -> list[list[float]]:
+    def sample(self, logits: torch.Tensor | np.ndarray, rows: list[int], live: list[bool]) -> list[list[float]]:
         """The sampler over these logits (logits row i for batch row rows[i]; `live`: the rows that really decode), at
-        once; its packed result on the host."""
+        once; its packed result on the host. On a CPU `logits` may be a float32 numpy array, and a plain step
+        (SamplerFeatures.plain) runs in numpy over it and these lists (sampler.plain_on_host), giving only the leading
+        (token, valid) fields of pack's layout, all that `sampled` reads of a row without logprobs (as any CPU step
+        without logprobs does): right after a forward each tensor call costs microseconds, more than the sampling."""
         features = self.features([row for row, alive in zip(rows, live, strict=True) if alive])
+        on_host = self.device.type == "cpu"
+        if on_host and features.plain:
+            x = logits if isinstance(logits, np.ndarray) else logits.float().numpy()
+            return _token_rows(*plain_on_host(x, self.state, rows, live, features))
+        tensor = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits
         index = torch.tensor(rows, device=self.device)
         live_rows = torch.tensor(live, device=self.device)
-        on_host = self.device.type == "cpu"
-        out = sample(logits, self.state, index, live_rows, features, on_host=on_host)
+        out = sample(tensor, self.state, index, live_rows, features, on_host=on_host)
         if on_host and out.logprob is None:
-            # The leading (token, valid) fields of pack's layout, which are all that `sampled` reads of a row without
-            # logprobs: pack's tensor operations cost more right after a forward than the sampling itself.
-            return [[token, valid] for token, valid in zip(out.tokens.tolist(), out.valid.tolist(), strict=True)]
+            return _token_rows(out.tokens.numpy(), out.valid.numpy())
         return pack(out).tolist()
+
+
+def _token_rows(tokens: np.ndarray, valid: np.ndarray) -> list[list[float]]:
+    """The leading (token, valid) fields of pack's layout, row by row."""
+    return [[token, ok] for token, ok in zip(tokens.tolist(), valid.tolist(), strict=True)]

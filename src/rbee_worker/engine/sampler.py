@@ -27,7 +27,7 @@ A row, all on the device:
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -93,6 +93,11 @@ class SamplerFeatures:
         object.__setattr__(self, "filters", self.filters or self.top_k)
         object.__setattr__(self, "sampling", self.sampling or self.filters)
 
+    @property
+    def plain(self) -> bool:
+        """No mask, penalty or logprobs: a CPU's step runs wholly in numpy (`plain_on_host`)."""
+        return not (self.masks or self.penalties) and self.top_logprobs < 0
+
     @staticmethod
     def of(requests: Iterable[tuple[SamplingParams, int | None]], masks: bool = False) -> "SamplerFeatures":
         """What a step over these (params, top-logprobs request) needs; `masks`: whether any row has a mask."""
@@ -109,6 +114,19 @@ class SamplerFeatures:
             if logprobs is not None:
                 top_logprobs = max(top_logprobs, logprobs)
         return SamplerFeatures(sampling, penalties, filters, top_k, masks, top_logprobs)
+
+
+class HostViews(NamedTuple):
+    """numpy views of a CPU SamplerState's per-slot tensors that the host's draw reads and advances: a lookup each,
+    where `Tensor.numpy` is a tensor call that costs microseconds right after a forward."""
+
+    greedy: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    stream: np.ndarray
+    counter: np.ndarray
 
 
 class SamplerState:
@@ -139,6 +157,10 @@ class SamplerState:
         # Allowed tokens, a bit each: word j's bit b is token 32 * j + b. All ones: no mask.
         self.allowed = torch.full((slots, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=self.device)
         self._bits = torch.arange(32, dtype=torch.int32, device=self.device)
+        self.host: HostViews | None = None
+        if self.device.type == "cpu":
+            tensors = self.greedy, self.temperature, self.top_k, self.top_p, self.min_p, self.stream, self.counter
+            self.host = HostViews(*(t.numpy() for t in tensors))
 
     def assign(self, slot: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int]) -> None:
         """A new request takes the slot: its parameters and seed, no draws or generated tokens yet, its prompt ids
@@ -220,15 +242,18 @@ def sample(
     `live`: [rows] bool, the rows that really decode. Each live row with valid logits advances its slot: the draw
     counter, and with `features.penalties` the chosen token's count, so that a chained step sees them. Padding rows
     read their slot's state but leave it untouched. `on_host`: the tensors are in the host's memory (a CPU) and the
-    caller allows the host to look at them, which draws row by row in numpy (_draw_on_host), and a step with no mask,
-    penalty or logprobs runs wholly in numpy (_plain_on_host); the tokens are the same."""
-    if on_host and not (features.masks or features.penalties) and features.top_logprobs < 0:
-        return _plain_on_host(logits, state, slots, live, features)
+    caller allows the host to look at them, which draws row by row in numpy (_draw_on_host), and a plain step runs
+    wholly in numpy (plain_on_host); the tokens are the same."""
+    if on_host and features.plain:
+        x = (logits if logits.dtype == torch.float32 else logits.float()).numpy()
+        tokens, valid = plain_on_host(x, state, slots.tolist(), live.tolist(), features)
+        return SampleOutput(torch.from_numpy(tokens), torch.from_numpy(valid), None, None, None)
     x, top, best, valid = _scores(logits, state, slots, features)
     tokens = best
     if features.sampling:
         if on_host:
-            drawn = _draw_on_host(x, top, valid, state, slots, features)
+            rows = (x if x.dtype == torch.float32 else x.float()).numpy()
+            drawn = torch.from_numpy(_draw_on_host(rows, top.numpy(), valid.numpy(), state, slots.tolist(), features))
         else:
             bits = _draw_bits(state.stream[slots], state.counter[slots])[:, None]
             if x.is_cuda:
@@ -254,25 +279,24 @@ def sample(
     return SampleOutput(tokens, valid, logprob, top_ids, top_values - normalizer)
 
 
-def _plain_on_host(
-    logits: torch.Tensor, state: SamplerState, slots: torch.Tensor, live: torch.Tensor, features: SamplerFeatures
-) -> SampleOutput:
-    """`sample` over a CPU's logits with no mask, penalty or logprobs, in numpy: each row's maximum and its first index
-    (a NaN counting as the maximum, as in _maxima), the row valid where that maximum is finite (as _scores decides it),
-    the sampled rows drawn by _draw_on_host, the live valid rows' draw counters advanced. A handful of numpy
-    operations instead of a dozen tensor operations, each of which costs microseconds right after a forward."""
-    x = (logits if logits.dtype == torch.float32 else logits.float()).numpy()
+def plain_on_host(
+    x: np.ndarray, state: SamplerState, slots: list[int], live: list[bool], features: SamplerFeatures
+) -> tuple[np.ndarray, np.ndarray]:
+    """`sample` of a plain step (`features.plain`) over a CPU's float32 logits [rows, vocab], in numpy: the tokens and
+    which rows are valid. Each row's maximum and its first index (a NaN counting as the maximum, as in _maxima), the
+    row valid where that maximum is finite (as _scores decides it), the sampled rows drawn by _draw_on_host, the live
+    valid rows' draw counters advanced. A handful of numpy operations on lists and cached views (state.host) instead of
+    a dozen tensor operations, each of which costs microseconds right after a forward."""
+    host = state.host
+    assert host is not None, "plain_on_host needs a CPU's SamplerState"
     best = x.argmax(1)
-    top = x[np.arange(x.shape[0]), best]
+    top = x[np.arange(len(x)), best]
     valid = np.isfinite(top)
     tokens = best
     if features.sampling:
-        drawn = _draw_on_host(
-            torch.from_numpy(x), torch.from_numpy(top), torch.from_numpy(valid), state, slots, features
-        )
-        tokens = np.where(state.greedy.numpy()[slots.numpy()], best, drawn.numpy())
-    np.add.at(state.counter.numpy(), slots.numpy(), live.numpy() & valid)
-    return SampleOutput(torch.from_numpy(tokens), torch.from_numpy(valid), None, None, None)
+        tokens = np.where(host.greedy[slots], best, _draw_on_host(x, top, valid, state, slots, features))
+    np.add.at(host.counter, slots, np.logical_and(live, valid))
+    return tokens, valid
 
 
 def _draw(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -283,33 +307,31 @@ def _draw(weights: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_on_host(
-    x: torch.Tensor,
-    top: torch.Tensor,
-    valid: torch.Tensor,
+    rows: np.ndarray,
+    top: np.ndarray,
+    valid: np.ndarray,
     state: SamplerState,
-    slots: torch.Tensor,
+    slots: list[int],
     features: SamplerFeatures,
-) -> torch.Tensor:
-    """The tokens `_draw(_kept_weights(...))` gives, drawn row by row on the host over numpy views of the tensors (a
-    CPU's). Only a row's weighted tokens are computed: one pass over its logits finds the tokens whose scaled logit
-    may reach _WEIGHTLESS (every other token's weight is 0), and their scaled logits, exp and weights are computed as
-    `_kept_weights` computes them, element by element the same operations (torch's exp; IEEE float32 arithmetic for
-    the rest) and so the same values. Rows with top-k or top-p draw from their candidates (selection.candidate_draw,
-    each floor in turn), the radix select over the whole row for the rows no floor covers; other rows by the inverse
-    CDF over their weighted tokens. Greedy and invalid rows get 0 (`sample` takes the argmax for greedy rows). A
-    step's few rows are read as Python numbers and their uniform numbers computed in Python integers: right after a
-    forward that swept the caches, each tensor or numpy operation costs several microseconds whatever its size."""
-    greedy, temperature, min_p = state.greedy.numpy(), state.temperature.numpy(), state.min_p.numpy()
-    top_k, top_p, stream, counter = (
-        state.top_k.numpy(),
-        state.top_p.numpy(),
-        state.stream.numpy(),
-        state.counter.numpy(),
-    )
-    rows = (x if x.dtype == torch.float32 else x.float()).numpy()
+) -> np.ndarray:
+    """The tokens `_draw(_kept_weights(...))` gives, drawn row by row on the host over a CPU's float32 logits `rows`
+    (their maxima `top`, which are `valid`) and the state's numpy views (state.host). Only a row's weighted tokens are
+    computed: one pass over its logits finds the tokens whose scaled logit may reach _WEIGHTLESS (every other token's
+    weight is 0), and their scaled logits, exp and weights are computed as `_kept_weights` computes them, element by
+    element the same operations (torch's exp; IEEE float32 arithmetic for the rest) and so the same values. Rows with
+    top-k or top-p draw from their candidates (selection.candidate_draw, each floor in turn), the radix select over the
+    whole row for the rows no floor covers; other rows by the inverse CDF over their weighted tokens. Greedy and
+    invalid rows get 0 (`sample` takes the argmax for greedy rows). A step's few rows are read as Python numbers and
+    their uniform numbers computed in Python integers: right after a forward that swept the caches, each tensor or
+    numpy operation costs several microseconds whatever its size."""
+    host = state.host
+    assert host is not None, "_draw_on_host needs a CPU's SamplerState"
+    greedy, temperature, min_p, top_k, top_p, stream, counter = (
+        host.greedy, host.temperature, host.min_p, host.top_k, host.top_p, host.stream, host.counter,
+    )  # fmt: skip
     tops, valid_rows = top.tolist(), valid.tolist()
     tokens, left, left_bits = np.zeros(len(rows), dtype=np.int64), [], []
-    for i, slot in enumerate(slots.tolist()):
+    for i, slot in enumerate(slots):
         if not valid_rows[i] or greedy[slot]:
             continue
         bits = _draw_bits_of(int(stream[slot]), int(counter[slot]))
@@ -334,12 +356,11 @@ def _draw_on_host(
         else:
             left.append(i)
             left_bits.append(bits)
-    out = torch.from_numpy(tokens)
     if left:
-        rows_left = torch.tensor(left)
-        kept = _kept_weights(x[rows_left], top[rows_left], state, slots[rows_left], features)
-        out[rows_left] = _draw(kept, torch.tensor(left_bits)[:, None])
-    return out
+        left_slots = torch.tensor([slots[i] for i in left])
+        kept = _kept_weights(torch.from_numpy(rows[left]), torch.from_numpy(top[left]), state, left_slots, features)
+        tokens[left] = _draw(kept, torch.tensor(left_bits)[:, None]).numpy()
+    return tokens
 
 
 def pack(out: SampleOutput) -> torch.Tensor:
