@@ -140,6 +140,8 @@ def measure(args: argparse.Namespace, spec: dict, src: Path | None, flags: list[
                 key = case if mode == "greedy" else f"{case}@{mode}"
                 out[key] = decode_case(url, case, spec, args, SAMPLING[mode])
         out["weight_bytes"] = logged_weight_bytes(log)
+        out["max_model_len"] = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0].get("max_model_len")
+        out["kv_cache_bytes"] = httpx.get(f"{url}/health", timeout=60).json().get("kv_cache_bytes")
     finally:
         process.terminate()
         process.wait(60)
@@ -263,13 +265,12 @@ def kv_bytes_read(config: object, tokens: int) -> int:
     sliding layer's only over its window."""
     import torch
 
-    from rbee_worker.engine.kv_cache import kv_shape
+    from rbee_worker.engine.kv_cache import kv_shape, sliding_layers
 
     heads, key_dim, value_dim = kv_shape(config)
-    text = config.get_text_config()
-    window = getattr(text, "sliding_window", None) or tokens
-    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    read = sum(min(tokens, window) if kind == "sliding_attention" else tokens for kind in kinds)
+    window, sliding = sliding_layers(config)
+    layers = config.get_text_config().num_hidden_layers
+    read = (layers - len(sliding)) * tokens + len(sliding) * min(tokens, window or tokens)
     return read * heads * (key_dim + value_dim) * torch.bfloat16.itemsize
 
 
@@ -327,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
 
         config = AutoConfig.from_pretrained(resolve_model_path(args.model))
         ceilings(args, result, result["this"]["weight_bytes"], config)
+        if result["this"].get("kv_cache_bytes"):  # the context that the same bytes give a model without windows
+            per_token = kv_bytes_read(config, 1)  # every layer's keys and values of one token (bfloat16)
+            result["this"]["context_without_windows"] = min(
+                config.get_text_config().max_position_embeddings, result["this"]["kv_cache_bytes"] // per_token
+            )
     print_table(result)
     (args.out / "kv_cache.json").write_text(json.dumps(result, indent=2))
     return 0
@@ -345,6 +351,10 @@ def print_table(result: dict) -> None:
         cells = [key, f"{this:.1f}", f"{this / ceiling[case]:.2f}" if case in ceiling else ""]
         cells += [f"{prev:.1f}" if prev else "", f"{this / prev:.3f}" if prev else ""]
         print("| " + " | ".join(cells) + " |")
+    if this := result.get("this"):
+        offered, pool, plain = (this.get(k) for k in ("max_model_len", "kv_cache_bytes", "context_without_windows"))
+        print(f"context offered (/v1/models): {offered} tokens; KV cache {pool} bytes, which every layer's keys and "
+              f"values would fill at {plain} tokens")  # fmt: skip
     if shared := result.get("shared64"):
         print(f"shared prefix: mean TTFT {shared['cache']['mean_ttft_s']:.3f} s with the cache, "
               f"{shared['no_cache']['mean_ttft_s']:.3f} s without: {shared['ratio']:.3f}x")  # fmt: skip

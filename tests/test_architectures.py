@@ -22,7 +22,8 @@ from test_engine import cpu_graphs  # noqa: F401 -- the fixture
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.attention import EAGER_NAME, use_engine_attention
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.kv_cache import kv_bytes_per_token
+from rbee_worker.engine.kv_cache import kv_bytes_per_token, sliding_layers
+from rbee_worker.engine.rows import window_blocks_for
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
 from rbee_worker.errors import ModelLoadError
@@ -166,8 +167,11 @@ def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[lis
         requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
         together = submit_together(engine, requests)
         _, cached = engine.prefix_cache_tokens()
+        kv = engine._runner.kv
     finally:
         engine.close()
+    sliding = "sliding_window" in CASES[case][1]  # its sliding layers keep their windows only, in a pool of their own
+    assert (kv.window, kv.window_blocks > 0) == ((WINDOW, True) if sliding else (None, False))
     assert alone == expected[0]
     assert together == [*expected, *expected]
     assert cached > 0
@@ -175,14 +179,18 @@ def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[lis
 
 @pytest.mark.parametrize("case", ["gemma3_text", "gpt_oss"])
 def test_requests_preempted_under_windows_give_transformers_tokens(case: str, tiny, prompts: list[list[int]]) -> None:
-    """Four requests at once (two prompts twice) in a pool of 30 blocks of 4 positions, where two fit: the newer ones
-    are preempted and compute their windows' keys again on resuming, and all give transformers' tokens."""
+    """Four requests at once (two prompts twice) where the full layers' pool holds 30 blocks of 4 positions, two
+    requests' worth, beside the sliding layers' windows: the newer ones are preempted and compute their windows' keys
+    again on resuming, and all give transformers' tokens."""
     from transformers import AutoConfig
 
     directory = tiny(case)
     expected = [reference(directory, ids) for ids in prompts]
-    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(directory), torch.float32)
-    config = engine_config(max_batch=4, prefill_chunk=4, block_size=4, kv_cache_bytes=(30 + 1) * 4 * per_token)
+    model_config = AutoConfig.from_pretrained(directory)
+    window, sliding = sliding_layers(model_config)
+    full = kv_bytes_per_token(model_config, torch.float32, model_config.num_hidden_layers - len(sliding))
+    windows = window_blocks_for(window, 4, 4, 4) * 4 * kv_bytes_per_token(model_config, torch.float32, len(sliding))
+    config = engine_config(max_batch=4, prefill_chunk=4, block_size=4, kv_cache_bytes=(30 + 1) * 4 * full + windows)
     engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
     try:
         requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]

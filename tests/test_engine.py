@@ -375,8 +375,9 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     def poisoned(cache: PagedCache, *args: object) -> None:
         # Memory not yet zeroed holds NaN, as uninitialized memory may: no step may read it into the logits.
         init(cache, *args)
-        for layer in (*cache.keys, *cache.values):
-            layer[cache._zeroed :] = torch.nan
+        for pool in cache.pools:
+            for layer in (*pool.keys.values(), *pool.values.values()):
+                layer[pool.zeroed :] = torch.nan
 
     zeros, init = torch.zeros, PagedCache.__init__
     monkeypatch.setattr(PagedCache, "__init__", poisoned)

@@ -19,7 +19,7 @@ from rbee_worker.engine import rows
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK, BlockPool, BlockTable, block_key
 from rbee_worker.engine.output import Output, OutputProcessor
-from rbee_worker.engine.rows import kv_budget, kv_pool
+from rbee_worker.engine.rows import WindowLayers, kv_budget, kv_pool, window_blocks_for
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
@@ -248,12 +248,23 @@ class KvReadingRunner:
 
     It records, in `faults`, a write into the scratch block, a shared or registered block, or past the row's table,
     and a read of a position that holds nothing. With `failing`, a forward (or the collection of a launched one) fails
-    now and then, before it writes anything."""
+    now and then, before it writes anything. With `windows` (a pool of windows, as a model's sliding layers have), it
+    writes every position into the row's window table too, and records as a fault a read of the last `window`
+    positions through it that does not give the tokens of the main table."""
 
-    def __init__(self, kind: str, pool: BlockPool, failing: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        pool: BlockPool,
+        failing: random.Random | None = None,
+        windows: BlockPool | None = None,
+        window: int = 0,
+    ) -> None:
         self.kind, self.pool, self.block_size, self.failing = kind, pool, pool.block_size, failing
+        self.windows, self.window = windows, window
         self.capabilities = Capabilities(mixed_batches=kind == "mixed")
         self.cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)
+        self.window_cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)
         self.chosen: dict[int, int] = {}
         self.faults: list[str] = []
         self.evicted = 0
@@ -276,9 +287,9 @@ class KvReadingRunner:
         out = []
         for row in prompts:
             for i, token in enumerate(row.token_ids):
-                self._write(row.blocks, row.start + i, token)
+                self._write_both(row, row.start + i, token)
             if row.sample:
-                out.append(self._sample(row.row, row.blocks, row.start + len(row.token_ids) - 1))
+                out.append(self._sample(row, row.start + len(row.token_ids) - 1))
         return out + [self._decode(r, r.token) for r in decodes]
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
@@ -307,10 +318,17 @@ class KvReadingRunner:
             raise RuntimeError("a forward failed")
 
     def _decode(self, row: DecodeRow, token: int) -> Sampled:
-        self._write(row.blocks, row.position, token)
-        return self._sample(row.row, row.blocks, row.position)
+        self._write_both(row, row.position, token)
+        return self._sample(row, row.position)
 
-    def _write(self, blocks: Tokens[int], position: int, token: int) -> None:
+    def _write_both(self, row: PromptRow | DecodeRow, position: int, token: int) -> None:
+        self._write(self.pool, self.cells, row.blocks, position, token)
+        if self.windows is not None:
+            self._write(self.windows, self.window_cells, row.window_blocks, position, token)
+
+    def _write(
+        self, pool: BlockPool, cells: dict[int, list[int | None]], blocks: Tokens[int], position: int, token: int
+    ) -> None:
         index, offset = divmod(position, self.block_size)
         if index >= len(blocks):
             self.faults.append(f"position {position} written past the table {list(blocks)}")
@@ -318,21 +336,26 @@ class KvReadingRunner:
         block = blocks[index]
         if block == SCRATCH_BLOCK:
             self.faults.append(f"position {position} written into the scratch block")
-        if self.pool._refs[block] != 1:
-            self.faults.append(f"position {position} written into block {block} that {self.pool._refs[block]} hold")
-        if self.pool._key[block] is not None:
+        if pool._refs[block] != 1:
+            self.faults.append(f"position {position} written into block {block} that {pool._refs[block]} hold")
+        if pool._key[block] is not None:
             self.faults.append(f"position {position} written into block {block}, registered in the prefix cache")
-        self.cells[block][offset] = token
+        cells[block][offset] = token
 
-    def _sample(self, row: int, blocks: Tokens[int], position: int) -> Sampled:
-        size = self.block_size
-        read = [
-            self.cells[blocks[p // size]][p % size] if p < len(blocks) * size else None for p in range(position + 1)
-        ]
+    def _sample(self, row: PromptRow | DecodeRow, position: int) -> Sampled:
+        read = self._read(self.cells, row.blocks, range(position + 1))
         if None in read:
-            self.faults.append(f"row {row} read position {read.index(None)}, which holds nothing")
-        self.chosen[row] = token = fake_model(read)
+            self.faults.append(f"row {row.row} read position {read.index(None)}, which holds nothing")
+        if self.windows is not None:
+            first = max(position - self.window + 1, 0)
+            if self._read(self.window_cells, row.window_blocks, range(first, position + 1)) != read[first:]:
+                self.faults.append(f"row {row.row}'s window at position {position} holds other tokens")
+        self.chosen[row.row] = token = fake_model(read)
         return Sampled(token, True, None)
+
+    def _read(self, cells: dict[int, list[int | None]], blocks: Tokens[int], positions: range) -> list[int | None]:
+        size = self.block_size
+        return [cells[blocks[p // size]][p % size] if p < len(blocks) * size else None for p in positions]
 
 
 @dataclass
@@ -348,13 +371,17 @@ class Traffic:
 class Harness:
     """Engine._run's loop without the thread: the inbox (arrivals, cancellations) between rounds, then a round."""
 
-    def __init__(self, config: EngineConfig, kind: str, blocks: int, failing: random.Random | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, kind: str, blocks: int, failing: random.Random | None = None, window: int = 0
+    ) -> None:
         self.config = config
-        self.kv = KvGeometry(blocks, config.block_size, (blocks - 1) * config.block_size, 1)
+        size = config.block_size
+        windows = window_blocks_for(window, size, config.max_batch, config.prefill_chunk) if window else 0
+        self.kv = KvGeometry(blocks, size, (blocks - 1) * size, 1, True, window or None, windows, int(windows > 0))
         self.scheduler = Scheduler(config, kind == "mixed", self.kv)
-        self.pool = self.scheduler.blocks
-        self.runner = KvReadingRunner(kind, self.pool, failing)
-        self.output = OutputProcessor(frozenset({EOS}), 1, self._retire)
+        self.pool, self.windows = self.scheduler.blocks, self.scheduler.windows
+        self.runner = KvReadingRunner(kind, self.pool, failing, self.windows, window)
+        self.output = OutputProcessor(frozenset({EOS}), lambda tokens: tokens, self._retire)
         self.steps = Steps(self.scheduler, self.runner, self.output)  # type: ignore[arg-type] -- a partial Runner
         self.events: dict[str, list[Event]] = defaultdict(list)
         self.sequences: list[Sequence] = []
@@ -423,11 +450,39 @@ class Harness:
                 key = pool._key[block]
                 assert key is not None and pool._by_key[key] == block
                 assert all(index < len(s.table.keys) and s.table.keys[index] == key for s, index in held)
+        if self.windows is not None:
+            self.check_windows(self.windows)
+
+    def check_windows(self, windows: BlockPool) -> None:
+        """The pool of windows: each running sequence holds the blocks of its last positions only (the scratch block
+        before them), at most what window_blocks_for counts for a row (a prompt chunk's blocks on top), and its
+        computed positions there hold its own tokens; reference counts are the tables holding each block."""
+        windows.check()
+        size, window = windows.block_size, self.runner.window
+        most = -(-(window + 2) // size) + 2 + -(-self.config.prefill_chunk // size)
+        holders: Counter = Counter()
+        for sequence in self.scheduler.waiting:
+            assert sequence.window_table.blocks == []
+        for sequence in self.scheduler.running:
+            table = sequence.window_table
+            live = table.blocks[table.dropped :]
+            assert table.blocks[: table.dropped] == [SCRATCH_BLOCK] * table.dropped
+            assert SCRATCH_BLOCK not in live and len(set(live)) == len(live) and len(live) <= most, table
+            assert len(table.blocks) * size >= sequence.cached + sequence.launched
+            assert table.dropped * size <= max(sequence.cached - window + 1, 0)
+            first = table.dropped * size
+            cells = [self.runner.window_cells[table.blocks[p // size]][p % size] for p in range(first, sequence.cached)]
+            assert cells == list(sequence.token_ids(first, sequence.cached)), sequence.request_id
+            holders.update(live)
+        for block in range(1, windows.num_blocks):
+            assert windows._refs[block] == holders[block], block
 
     def check_ended(self) -> None:
         """Nothing held, and every request's tokens its solo run's (a cancelled one's, the start of them)."""
-        assert self.pool.used_blocks == 0 and not any(self.pool._refs)
-        self.pool.check()
+        for pool in (self.pool, self.windows):
+            if pool is not None:
+                assert pool.used_blocks == 0 and not any(pool._refs)
+                pool.check()
         assert self.pool.queried_tokens == sum(len(s.request.prompt_ids) for s in self.sequences if s.looked_up)
         assert self.pool.hit_tokens == sum(s.cached_prompt_tokens for s in self.sequences)
         for sequence in self.sequences:
@@ -467,7 +522,8 @@ def traffic(seed: int, ops: int = 200) -> Traffic:
     longest_prompt, most_tokens = 3 * block_size + 6, 12
     need = -(-(longest_prompt + most_tokens) // block_size)  # the blocks of the longest request
     failing = random.Random(seed) if rng.random() < 0.2 else None
-    harness = Harness(config, kind, 1 + rng.randint(need, 3 * need), failing)
+    window = rng.choice([0, 0, 2, 3, 5, 9])  # a pool of windows beside the main one, as sliding layers have
+    harness = Harness(config, kind, 1 + rng.randint(need, 3 * need), failing, window)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(longest_prompt)] for _ in range(3)]
     stats = Traffic()
     for _ in range(ops):  # an op: an arrival, a cancellation, or a round
@@ -583,3 +639,27 @@ def test_the_default_budget_off_a_gpu_is_half_the_memory_available(monkeypatch: 
         monkeypatch.setattr(rows.psutil, "virtual_memory", lambda a=available: type("Memory", (), {"available": a}))
         assert kv_budget(torch.device("cpu")) == available // 2
         assert kv_pool(context, per_token, 16, kv_budget(torch.device("cpu")), rows=16).blocks == blocks
+
+
+def test_sliding_layers_get_a_pool_of_windows_and_the_context_offered_grows() -> None:
+    """kv_pool with a model's sliding layers (Gemma 3's five to one): their pool holds every row's window (and a
+    round's prompt chunk), the rest of the budget goes to the full layers, and a request is offered a context several
+    times longer than one pool of every layer gives from the same bytes, or where the whole context fits either way, the
+    same context in less memory; a budget that the windows alone would take, or a window as long as the context, keeps
+    one pool."""
+    full, sliding, window = 1_000, 5_000, 1024
+    windows = WindowLayers(window, sliding, prefill_chunk=512)
+    budget = 2**27
+    plain = kv_pool(131_072, full + sliding, 16, budget, rows=4)
+    split = kv_pool(131_072, full, 16, budget, rows=4, window=windows)
+    assert split.window_blocks == window_blocks_for(window, 16, 4, 512) == 4 * 67 + 32 + 1
+    assert (split.window, split.bytes_per_token, split.window_bytes_per_token) == (window, full, sliding)
+    assert split.bytes <= budget and split.context > 4 * plain.context
+    assert split.request_bytes(50_000) == 50_000 * full + window * sliding
+    small = kv_pool(131_072, full, 16, split.window_blocks * 16 * sliding, rows=4, window=windows)
+    assert (small.window, small.window_blocks, small.bytes_per_token) == (None, 0, full + sliding)
+    fits = kv_pool(4096, full, 16, budget, rows=4, window=windows)  # the whole context either way: less memory
+    assert fits.window == window and fits.context == 4096
+    assert fits.bytes < kv_pool(4096, full + sliding, 16, budget, rows=4).bytes
+    short = kv_pool(512, full, 16, budget, rows=4, window=windows)  # a window as long as the context: nothing gained
+    assert (short.window, short.context) == (None, 512)

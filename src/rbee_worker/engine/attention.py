@@ -69,7 +69,7 @@ def attention(
     plain = dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
     # Passed by the layer (most models), or only set on a sliding layer's module (Qwen2-MoE); 0 is none.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
-    tables = kwargs.get("kv_block_tables")
+    tables = layer_tables(kwargs, window)
     if tables is not None:  # the paged cache's pool: [blocks, block_size, kv_heads, head_dim]
         assert plain, "paged decode steps run without softcap or biases"
         scale = head_dim**-0.5 if scaling is None else scaling
@@ -104,6 +104,15 @@ def attention(
         )
         return output.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def layer_tables(kwargs: dict[str, object], window: int | None) -> torch.Tensor | None:
+    """The block tables of a paged decode step for a layer with this window: a sliding layer's in the sliding layers'
+    own pool where the cache keeps one (`kv_window_tables`, kv_cache.PagedCache.paged_tables), else
+    `kv_block_tables`; None outside a paged step."""
+    name = "kv_window_tables" if window is not None and "kv_window_tables" in kwargs else "kv_block_tables"
+    tables = kwargs.get(name)
+    return tables if isinstance(tables, torch.Tensor) else None
 
 
 def paged_kernel(
@@ -198,7 +207,7 @@ def eager_attention(
     `kv_block_tables` / `kv_lengths`), then the model's own eager function with everything the layer passed (its
     scaling, `softcap`, `s_aux` ...)."""
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None
-    tables = kwargs.get("kv_block_tables")
+    tables = layer_tables(kwargs, window)
     if tables is not None and dropout == 0.0 and module.config.model_type in KERNEL_EAGER:
         scale = query.shape[3] ** -0.5 if scaling is None else scaling
         lengths = kwargs["kv_lengths"]

@@ -23,8 +23,9 @@ from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, PACKED_WIDTH, SamplerFe
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_CHUNK = 16  # the shortest prompt-chunk bucket
 # The rows of a decode graph's input tensor: each step's rows' token, position, length (0: padding), chained flag,
-# batch row, and the block table entry of its position (its index, its block), copied to the device at once.
-TOKEN, POSITION, LENGTH, CHAINED, ROW, TABLE_INDEX, BLOCK = range(7)
+# batch row, and the block table entries of its position (its index, its block, its block in the sliding layers' pool
+# of windows: kv_cache.PagedCache), copied to the device at once.
+TOKEN, POSITION, LENGTH, CHAINED, ROW, TABLE_INDEX, BLOCK, WINDOW_BLOCK = range(8)
 
 
 def bucket(value: int, buckets: list[int]) -> int:
@@ -109,8 +110,8 @@ class DecodeGraphs:
         # The graphs' inputs, written by one copy from pinned host memory (several pageable copies would cost more than
         # the rest of the host's work on a step). Two host buffers, used in turn: the copy out of one may still be
         # queued behind a step that runs while the host fills the other.
-        self.inputs = torch.zeros(7, max_rows, dtype=torch.long, device=device)
-        self.host_inputs = [torch.zeros(7, max_rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.inputs = torch.zeros(len(_PADDING), max_rows, dtype=torch.long, device=device)
+        self.host_inputs = [torch.zeros(len(_PADDING), max_rows, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.host_out = [torch.zeros(max_rows, PACKED_WIDTH, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self.done = [torch.cuda.Event() for _ in range(2)]
         self.launches = 0
@@ -155,9 +156,10 @@ class DecodeGraphs:
         host[ROW, count:width] = self.max_rows
         for i, r in enumerate(rows):
             index = r.position // size
-            host[:, i] = (r.token, r.position, r.position + 1, r.chained, r.row, index, r.blocks[index])
+            window = r.window_blocks[index] if r.window_blocks else 0
+            host[:, i] = (r.token, r.position, r.position + 1, r.chained, r.row, index, r.blocks[index], window)
         # The graph sets the new table entries itself: their blocks are zeroed here first (PagedCache.ensure_zeroed).
-        self.cache.ensure_zeroed(int(host[BLOCK, :count].max()))
+        self.cache.ensure_zeroed(int(host[BLOCK, :count].max()), int(host[WINDOW_BLOCK, :count].max()))
         self.inputs[:, :width].copy_(self.host_inputs[turn][:, :width], non_blocking=True)
         graphs.forward.replay()
 
@@ -183,7 +185,7 @@ class DecodeGraphs:
 
         def forward() -> torch.Tensor:
             batch_rows, positions, lengths = inputs[ROW], inputs[POSITION, :, None], inputs[LENGTH]
-            cache.tables[batch_rows, inputs[TABLE_INDEX]] = inputs[BLOCK]
+            cache.set_entries(batch_rows, inputs[TABLE_INDEX], inputs[BLOCK], inputs[WINDOW_BLOCK])
             tokens = torch.where(inputs[CHAINED] != 0, self.chosen[batch_rows], inputs[TOKEN])
             cache.prepare(batch_rows, positions, 0, "paged")
             output = self.model(
@@ -192,8 +194,8 @@ class DecodeGraphs:
                 attention_mask=self.mask[:rows],
                 use_cache=True,
                 logits_to_keep=1,
-                kv_block_tables=cache.tables[batch_rows].to(torch.int32),
                 kv_lengths=lengths.to(torch.int32),
+                **cache.paged_tables(batch_rows),
                 **{self.cache_kwarg: cache},
             )
             return output.logits[:, -1]
@@ -218,7 +220,7 @@ class DecodeGraphs:
 
 # A padding row of a decode graph's inputs: token 0 at position -1 (the scratch block), length 0, not chained; its
 # batch row is the scratch row (the caller's max_rows), its table entry the scratch row's first.
-_PADDING = torch.tensor([0, -1, 0, 0, 0, 0, 0]).numpy()
+_PADDING = torch.tensor([0, -1, 0, 0, 0, 0, 0, 0]).numpy()
 
 
 class PrefillGraphs:

@@ -374,8 +374,8 @@ class Engine:
                 self.config, capabilities.mixed_batches, runner.kv, runner.reuse, capabilities.uniform_rows
             )
             info = self._runner.loaded.info
-            bytes_per_token = self._runner.kv.bytes_per_token
-            self._output = OutputProcessor(info.eos_token_ids, bytes_per_token, self._retire, self._observer)
+            kv_bytes = self._runner.kv.request_bytes
+            self._output = OutputProcessor(info.eos_token_ids, kv_bytes, self._retire, self._observer)
             self._steps = Steps(self._scheduler, self._runner, self._output)
             self._token_texts = token_texts(self._runner.loaded.tokenizer)
             self._vocab_size = len(self._token_texts)

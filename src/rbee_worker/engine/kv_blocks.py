@@ -24,10 +24,12 @@ SCRATCH_BLOCK = 0
 
 @dataclass(eq=False)
 class BlockTable:
-    """A sequence's blocks, in position order, and the keys of the first `len(keys)` of them (registered, or found)."""
+    """A sequence's blocks, in position order, and the keys of the first `len(keys)` of them (registered, or found).
+    In a pool of windows, its first `dropped` entries are the scratch block: positions before its window."""
 
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
+    dropped: int = 0
 
 
 class BlockPool:
@@ -82,6 +84,50 @@ class BlockPool:
             parent = key
         return len(table.blocks) * size
 
+    def match_window(self, table: BlockTable, token_ids: Sequence[int], found: int, window: int) -> int:
+        """In a pool of windows (the sliding layers' own): an empty table takes the registered blocks that the window
+        of the longest prefix needs, of at most `found` tokens (whole blocks): the blocks of its positions from
+        `found' - window + 1` on, its entries before them the scratch block; returns the tokens of that prefix (0 when
+        no prefix's window is cached whole)."""
+        assert not table.blocks, "only a sequence with no blocks looks up its prefix"
+        size, parent, keys, present = self.block_size, b"", [], []
+        for start in range(0, found - size + 1, size):
+            parent = block_key(parent, token_ids[start : start + size])
+            keys.append(parent)
+            present.append(parent in self._by_key)
+        run = 0  # registered blocks in a row, ending at the prefix's last block
+        runs = []
+        for here in present:
+            run = run + 1 if here else 0
+            runs.append(run)
+        for count in range(len(keys), 0, -1):  # the prefix of `count` blocks, the longest first
+            first = max(count * size - window + 1, 0) // size  # its window's first block
+            if runs[count - 1] >= count - first:
+                blocks = [self._by_key[key] for key in keys[first:count]]
+                for block in blocks:
+                    self._hold(block)
+                table.blocks = [SCRATCH_BLOCK] * first + blocks
+                table.keys = keys[:count]
+                table.dropped = first
+                return count * size
+        return 0
+
+    def shorten(self, table: BlockTable, tokens: int) -> None:
+        """The table keeps the blocks (and keys) of its first `tokens` positions; the blocks after go back."""
+        keep = self.blocks_for(tokens)
+        for block in reversed(table.blocks[max(keep, table.dropped) :]):
+            self._unhold(block)
+        del table.blocks[keep:]
+        del table.keys[keep:]
+
+    def drop(self, table: BlockTable, before: int) -> None:
+        """The table's blocks before entry `before` (positions before its window) go back to the pool, registered ones
+        staying in the prefix cache until reused; their entries become the scratch block."""
+        for index in range(table.dropped, min(before, len(table.blocks))):
+            self._unhold(table.blocks[index])
+            table.blocks[index] = SCRATCH_BLOCK
+        table.dropped = max(table.dropped, min(before, len(table.blocks)))
+
     def count_query(self, tokens: int, hits: int) -> None:
         """A prompt of `tokens` tokens started with `hits` of them found in the prefix cache (the metrics' counts)."""
         self.queried_tokens += tokens
@@ -113,6 +159,8 @@ class BlockPool:
             offset = (index - first) * size
             key = block_key(parent, token_ids[offset : offset + size])
             block = table.blocks[index]
+            if block == SCRATCH_BLOCK:  # dropped before it was computed whole (a pool of windows): nothing to keep
+                return
             if key not in self._by_key:
                 self._by_key[key] = block
                 self._key[block] = key
@@ -122,21 +170,26 @@ class BlockPool:
     def release(self, table: BlockTable) -> None:
         """The sequence lets go of its blocks (ended, or preempted): each that nobody else holds is free, its tail
         first, so that a prefix's last blocks are evicted before its first ones."""
-        for block in reversed(table.blocks):
-            self._refs[block] -= 1
-            assert self._refs[block] >= 0, f"block {block} released more often than taken"
-            if self._refs[block] == 0:
-                self._free[block] = None
-                if self._key[block] is None or self._by_key.get(self._key[block]) != block:
-                    self._key[block] = None
-                    self._free.move_to_end(block, last=False)
+        for block in reversed(table.blocks[table.dropped :]):
+            self._unhold(block)
         table.blocks.clear()
         table.keys.clear()
+        table.dropped = 0
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
             del self._free[block]
         self._refs[block] += 1
+
+    def _unhold(self, block: int) -> None:
+        """One holder less; a block nobody holds is free: at the front of the queue unless the prefix cache has it."""
+        self._refs[block] -= 1
+        assert self._refs[block] >= 0, f"block {block} released more often than taken"
+        if self._refs[block] == 0:
+            self._free[block] = None
+            if self._key[block] is None or self._by_key.get(self._key[block]) != block:
+                self._key[block] = None
+                self._free.move_to_end(block, last=False)
 
     def check(self) -> None:
         """Assert the pool's invariants (tests): every block is free or held, never both, and the registry and the

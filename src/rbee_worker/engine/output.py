@@ -74,12 +74,12 @@ class OutputProcessor:
     def __init__(
         self,
         eos_ids: frozenset[int],
-        bytes_per_token: int,
+        kv_bytes: "Callable[[int], int]",
         retire: "Callable[[Sequence, End | Error], None]",
         observer: EngineObserver | None = None,
     ) -> None:
         self._eos = eos_ids
-        self._bytes_per_token = bytes_per_token
+        self._kv_bytes = kv_bytes  # a request's KV cache bytes for the positions it holds (KvGeometry.request_bytes)
         self._retire = retire
         self.observer = observer or NoObserver()
 
@@ -138,7 +138,7 @@ class OutputProcessor:
                 stop_sequence=output.detokenizer.stop_matched,
                 time_to_first_token_s=first - output.submitted_at,
                 decode_time_s=now - first,
-                kv_cache_bytes=sequence.cached * self._bytes_per_token,
+                kv_cache_bytes=self._kv_bytes(sequence.cached),
             ),
         )
 

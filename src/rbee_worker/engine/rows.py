@@ -4,6 +4,7 @@ batch row's sampling state (its grammar's mask included) with the batched sample
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
@@ -33,29 +34,79 @@ def kv_budget(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * CPU_KV_SHARE)
 
 
+@dataclass(frozen=True)
+class WindowLayers:
+    """A model's sliding layers as the KV pool sizes them: their window (positions a query sees, itself included), the
+    bytes of keys and values a token takes in them, and the most prompt tokens one step computes (--prefill-chunk)."""
+
+    window: int
+    bytes_per_token: int
+    prefill_chunk: int
+
+
+def window_blocks_for(window: int, block_size: int, rows: int, prefill_chunk: int) -> int:
+    """Blocks that hold every row's window at once, the scratch block included. A row computing positions [a, b)
+    holds the blocks of [a' - window + 1, b), a' its first position whose step the host has not taken yet (a decode
+    row: b - a' <= 2, a step in flight and the next; a prompt chunk: b - a' its length): at most
+    ceil((window + 2) / block_size) + 1 blocks for a decode row, and a chunk's ceil(length / block_size) + 1 more, its
+    round's chunks holding at most prefill_chunk tokens in all."""
+    per_row = -(-(window + 2) // block_size) + 2
+    return rows * per_row + -(-prefill_chunk // block_size) + 1
+
+
 def kv_pool(
-    context: int, bytes_per_token: int, block_size: int, budget: int, rows: int, shared_blocks: bool = True
+    context: int,
+    bytes_per_token: int,
+    block_size: int,
+    budget: int,
+    rows: int,
+    shared_blocks: bool = True,
+    window: WindowLayers | None = None,
 ) -> KvGeometry:
     """The block pool that `budget` bytes hold (no more than `rows` whole contexts use), and the context it offers one
     request: the model's, or all of the pool where that is less. Raises ModelLoadError when the pool holds fewer than
-    MIN_CONTEXT tokens (a shorter context is the model's own choice)."""
+    MIN_CONTEXT tokens (a shorter context is the model's own choice).
+
+    With `window` (a model's sliding layers; `bytes_per_token` then the other layers' share), the sliding layers get a
+    pool of their own that holds every row's window (window_blocks) and the rest of the budget goes to the other
+    layers, where that offers a longer context than one pool of every layer would, or the same in less memory."""
     per_context = -(-context // block_size)
-    blocks = min(budget // (block_size * bytes_per_token), rows * per_context + 1)  # + 1: the scratch block
-    usable = max(blocks - 1, 0) * block_size
-    geometry = KvGeometry(blocks, block_size, min(context, usable), bytes_per_token, shared_blocks)
+    most = rows * per_context + 1  # + 1: the scratch block
+    everything = bytes_per_token + (window.bytes_per_token if window else 0)
+    blocks = min(budget // (block_size * everything), most)
+    geometry = KvGeometry(blocks, block_size, min(context, max(blocks - 1, 0) * block_size), everything, shared_blocks)
+    if window is not None:
+        window_blocks = window_blocks_for(window.window, block_size, rows, window.prefill_chunk)
+        rest = budget - window_blocks * block_size * window.bytes_per_token
+        main = min(rest // (block_size * bytes_per_token), most) if bytes_per_token else most
+        usable = max(main - 1, 0) * block_size
+        split = KvGeometry(
+            main, block_size, min(context, usable), bytes_per_token, shared_blocks, window.window, window_blocks,
+            window.bytes_per_token,
+        )  # fmt: skip
+        if main > max(blocks, 1) or (main == blocks and split.bytes < geometry.bytes):
+            geometry = split
     if geometry.context < min(context, MIN_CONTEXT):
         raise ModelLoadError(
-            f"the KV cache does not fit in {budget / 2**30:.2f} GiB ({bytes_per_token} bytes per token): give it "
+            f"the KV cache does not fit in {budget / 2**30:.2f} GiB ({everything} bytes per token): give it "
             "more memory (--kv-cache-gb) or load a smaller model"
         )
     log.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); up to %d tokens per request",
-        blocks - 1,
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s; up to %d tokens per request",
+        geometry.blocks - 1,
         block_size,
         geometry.tokens,
         geometry.bytes / 2**30,
+        f", the sliding layers' windows in {geometry.window_blocks - 1} blocks of their own" if geometry.window else "",
         geometry.context,
-        extra={"fields": {"kv_blocks": blocks - 1, "kv_tokens": geometry.tokens, "max_model_len": geometry.context}},
+        extra={
+            "fields": {
+                "kv_blocks": geometry.blocks - 1,
+                "kv_tokens": geometry.tokens,
+                "kv_window_blocks": max(geometry.window_blocks - 1, 0),
+                "max_model_len": geometry.context,
+            }
+        },
     )
     return geometry
 

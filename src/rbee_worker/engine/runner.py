@@ -23,26 +23,29 @@ from rbee_worker.models.loaded import LoadedModel
 class PromptRow:
     """Prompt tokens fed at positions start.. of the request in batch row `row` (its sampling state; on llama.cpp its
     sequence), whose position p lives in KV block `blocks[p // block_size]`; `sample`: the chunk ends the prompt, so
-    a token follows."""
+    a token follows. `window_blocks`: the sliding layers' blocks, where their pool is a window's (KvGeometry.window;
+    the scratch block for positions before the request's window)."""
 
     row: int
     blocks: Sequence[int]
     token_ids: Sequence[int]
     start: int
     sample: bool
+    window_blocks: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
 class DecodeRow:
     """One decode row: `token` fed at `position` of the request in batch row `row`, with its block table; `chained`:
     take instead the token that the step launched before this one chose for this row, on the device (only where
-    `Runner.chains` allows it)."""
+    `Runner.chains` allows it); `window_blocks` as PromptRow's."""
 
     row: int
     blocks: Sequence[int]
     token: int
     position: int
     chained: bool = False
+    window_blocks: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,22 @@ class KvGeometry:
     """The KV cache as the scheduler accounts for it: a pool of `blocks` blocks (block 0 the scratch block) of
     `block_size` positions, `bytes_per_token` each; one request holds up to `context` tokens (prompt and output).
     `shared_blocks`: whether a block may back several requests at once (the prefix cache); a runtime whose memory
-    does not follow the block tables (llama.cpp) uses them for accounting only."""
+    does not follow the block tables (llama.cpp) uses them for accounting only.
+
+    Sliding layers (`window`: the positions a sliding layer's query sees, itself included) may keep their keys and
+    values in a pool of their own, `window_blocks` blocks of `window_bytes_per_token` each (their layers' share of a
+    token; `bytes_per_token` is then the other layers'), in which a request holds the blocks of its last `window`
+    positions only (vLLM's hybrid KV cache manager): `window_blocks` 0 means every layer's keys and values are in the
+    main pool."""
 
     blocks: int
     block_size: int
     context: int
     bytes_per_token: int
     shared_blocks: bool = True
+    window: int | None = None
+    window_blocks: int = 0
+    window_bytes_per_token: int = 0
 
     @property
     def tokens(self) -> int:
@@ -84,8 +96,13 @@ class KvGeometry:
 
     @property
     def bytes(self) -> int:
-        """The whole pool's size."""
-        return self.blocks * self.block_size * self.bytes_per_token
+        """The whole pool's size, the sliding layers' pool included."""
+        return self.block_size * (self.blocks * self.bytes_per_token + self.window_blocks * self.window_bytes_per_token)
+
+    def request_bytes(self, tokens: int) -> int:
+        """The keys and values of a request holding `tokens` positions (its sliding layers' at most a window's)."""
+        window = min(tokens, self.window or 0) if self.window_blocks else 0
+        return tokens * self.bytes_per_token + window * self.window_bytes_per_token
 
 
 class Launched(Protocol):

@@ -15,6 +15,14 @@ preempted: its blocks go back to the pool, it keeps its batch row (its sampling 
 and the tokens it has generated again as a prompt when blocks are free, then decodes on. Its caller sees no
 difference but time. A prompt chunk that still finds too few blocks waits for a later round.
 
+A model's sliding layers may keep their keys and values in a pool of their own (KvGeometry.window_blocks), as vLLM's
+hybrid KV cache manager does: there each sequence holds a second table (`window_table`) with the blocks of its last
+positions only. Before each of its steps, the blocks wholly before the window of its first position whose step the
+host has not taken (`cached`) go back to that pool (prefix-cache blocks staying registered until reused). The pool
+holds every row's window and a round's prompt chunks (rows.window_blocks_for), so only the main pool limits what
+runs. A cached prefix is taken only as far as the pool of windows still holds the blocks of its window
+(BlockPool.match_window): the prefix's sliding layers need those and no earlier ones.
+
 A cached prefix gives the same tokens as a fresh run (issue 30) where the runner's kernels round a row alike in any
 forward of at least `uniform_rows` rows (Capabilities.uniform_rows): a CPU's kernels pick another product for fewer
 rows (torch's int4 / int8 layers below dequant.CPU_DEQUANTIZE_ROWS, llama.cpp's below its own switch), which rounds
@@ -55,6 +63,7 @@ class Sequence:
     output: Output  # the output processor's record of it
     row: int | None = None  # its batch row (sampling state), while it runs
     table: BlockTable = field(default_factory=BlockTable)  # its KV blocks
+    window_table: BlockTable = field(default_factory=BlockTable)  # its window's, in the sliding layers' own pool
     cached: int = 0  # tokens whose keys and values are in its blocks: the prompt first, then all but the last output
     cached_prompt_tokens: int = 0  # prompt tokens that its first chunk found in the prefix cache
     output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
@@ -140,6 +149,13 @@ class Scheduler:
         self.uniform_rows = 1 if config.deterministic else uniform_rows
         self.mixed_batches = mixed_batches and not config.deterministic
         self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
+        # The sliding layers' pool of windows (KvGeometry.window_blocks), where a sequence holds its last positions.
+        self.window = kv.window or 0
+        self.windows = (
+            BlockPool(kv.window_blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
+            if kv.window_blocks
+            else None
+        )
         # Where the runtime keeps a prefix cache of its own (Runner.reuse), it is asked instead of the block pool's.
         self._reuse = reuse if config.prefix_caching and not kv.shared_blocks else None
         self.waiting: deque[Sequence] = deque()  # arrival order
@@ -227,7 +243,7 @@ class Scheduler:
             # As much of the chunk as its blocks and the free ones hold.
             held = (len(sequence.table.blocks) + self.blocks.free_blocks) * self.blocks.block_size
             count = min(count, held - sequence.cached)
-            if count <= 0 or not self.blocks.grow(sequence.table, sequence.cached + count):
+            if count <= 0 or not self._grow(sequence, sequence.cached + count):
                 return None
         if not sequence.looked_up:  # its first chunk runs: what it found is what it reports
             sequence.looked_up = True
@@ -245,7 +261,13 @@ class Scheduler:
             limit -= limit % self.config.prefill_chunk
         tokens = sequence.token_ids(0, sequence.prefill_end)
         if self._reuse is None:
-            sequence.cached = self.blocks.match(sequence.table, tokens, limit)
+            found = self.blocks.match(sequence.table, tokens, limit)
+            if self.windows is not None and found:
+                # As long a prefix as the sliding layers' pool holds the window of.
+                kept = self.windows.match_window(sequence.window_table, tokens, found, self.window)
+                self.blocks.shorten(sequence.table, kept)
+                found = kept
+            sequence.cached = found
             return
         assert sequence.row is not None
         if sequence.row in self._preempted:  # its runtime memory goes when this round starts (Runner.evict)
@@ -257,7 +279,7 @@ class Scheduler:
     def _room(self, sequence: Sequence, tokens: int, settle: Callable[[], None], wait: bool = False) -> bool:
         """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.
         A decode row that finds none preempts its own sequence; a prompt chunk (`wait`) then waits instead."""
-        while not self.blocks.grow(sequence.table, tokens):
+        while not self._grow(sequence, tokens):
             victim = next(
                 (s for s in reversed(self.running) if s is not sequence and s.table.blocks and not s.finished), None
             )
@@ -270,13 +292,30 @@ class Scheduler:
                 return False
         return True
 
+    def _grow(self, sequence: Sequence, tokens: int) -> bool:
+        """Blocks for the sequence's positions 0..tokens-1 (in the pool of windows, for its positions from the window
+        of its first position whose step the host has not taken, `cached`, the blocks before going back); False
+        when a pool has too few."""
+        if not self.blocks.grow(sequence.table, tokens):
+            return False
+        if self.windows is not None:
+            first = max(sequence.cached - self.window + 1, 0)
+            self.windows.drop(sequence.window_table, first // self.windows.block_size)
+            return self.windows.grow(sequence.window_table, tokens)
+        return True
+
+    def _release(self, sequence: Sequence) -> None:
+        self.blocks.release(sequence.table)
+        if self.windows is not None:
+            self.windows.release(sequence.window_table)
+
     def _preempt(self, sequence: Sequence, settle: Callable[[], None]) -> None:
         """The sequence lets go of its blocks and reads its tokens again later; its row and sampling state stay."""
         if sequence.launched:
             settle()
         if sequence.finished:
             return
-        self.blocks.release(sequence.table)
+        self._release(sequence)
         sequence.cached = 0
         self.preemptions += 1
         self._preempted.append(sequence.row)
@@ -314,9 +353,12 @@ class Scheduler:
         if self.config.deterministic:  # prompt blocks inside whole chunks only (see the module docstring)
             prompt = len(sequence.request.prompt_ids)
             computed = min(computed, prompt - prompt % self.config.prefill_chunk)
-        first = len(sequence.table.keys) * self.blocks.block_size  # the first position of a block without a key
-        if computed >= first + self.blocks.block_size:
-            self.blocks.register(sequence.table, sequence.token_ids(first, computed))
+        for pool, table in ((self.blocks, sequence.table), (self.windows, sequence.window_table)):
+            if pool is None:
+                continue
+            first = len(table.keys) * pool.block_size  # the first position of a block without a key
+            if computed >= first + pool.block_size:
+                pool.register(table, sequence.token_ids(first, computed))
 
     def append(self, sequence: Sequence, token: int) -> bool:
         """A generated token (not EOS) of the sequence; True when it is the last that max_tokens allows."""
@@ -342,6 +384,6 @@ class Scheduler:
             return
         self.running.remove(sequence)
         self._free_rows.append(sequence.row)
-        self.blocks.release(sequence.table)
+        self._release(sequence)
         sequence.row = None
         sequence.cached = 0

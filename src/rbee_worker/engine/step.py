@@ -202,12 +202,18 @@ class Steps:
 
 
 def _prompt_rows(chunks: list[Chunk]) -> list[PromptRow]:
-    return [PromptRow(c.sequence.row, c.sequence.table.blocks, c.token_ids, c.start, c.samples) for c in chunks]
+    rows = []
+    for chunk in chunks:
+        sequence = chunk.sequence
+        blocks, window = sequence.table.blocks, sequence.window_table.blocks
+        rows.append(PromptRow(sequence.row, blocks, chunk.token_ids, chunk.start, chunk.samples, window))
+    return rows
 
 
 def _decode_rows(sequences: list[Sequence]) -> list[DecodeRow]:
     """Each sequence's last token fed at its next position; a row whose previous token is still on its way (a step
     launched and not collected) chains onto it, at the position after it."""
     return [
-        DecodeRow(s.row, s.table.blocks, s.output_ids[-1], s.cached + s.launched, s.launched > 0) for s in sequences
+        DecodeRow(s.row, s.table.blocks, s.output_ids[-1], s.cached + s.launched, s.launched > 0, s.window_table.blocks)
+        for s in sequences
     ]

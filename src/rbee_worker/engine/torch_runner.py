@@ -27,8 +27,15 @@ from rbee_worker.engine.cpu_linear import can_pack, pack_linears, packed_bytes
 from rbee_worker.engine.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
-from rbee_worker.engine.kv_cache import PagedCache, caches_latent, decode_mask, kv_bytes_per_token, prefill_mask
-from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
+from rbee_worker.engine.kv_cache import (
+    PagedCache,
+    caches_latent,
+    decode_mask,
+    kv_bytes_per_token,
+    prefill_mask,
+    sliding_layers,
+)
+from rbee_worker.engine.rows import RowSampling, WindowLayers, kv_budget, kv_pool
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
 from rbee_worker.engine.sampling import SamplingParams
@@ -219,7 +226,7 @@ class TorchRunner:
         token. A single chunk from position 0 attends to its own keys and values; any other forward to the rows'
         cached ones, gathered through their block tables."""
         for r in rows:
-            self.cache.set_table(r.row, r.blocks)
+            self.cache.set_table(r.row, r.blocks, r.window_blocks)
         width = max(len(r.token_ids) for r in rows)
         first_chunk = len(rows) == 1 and rows[0].start == 0
         if self.prefill_graphs and first_chunk and self.prefill_graphs.fits(width):
@@ -255,9 +262,10 @@ class TorchRunner:
         batch_rows = torch.tensor([r.row for r in rows], device=self.device)
         index = [r.position // size for r in rows]
         blocks = [r.blocks[i] for r, i in zip(rows, index, strict=True)]
-        self.cache.ensure_zeroed(max(blocks))
-        self.cache.tables[batch_rows, torch.tensor(index, device=self.device)] = torch.tensor(
-            blocks, device=self.device
+        window = [r.window_blocks[i] if r.window_blocks else SCRATCH_BLOCK for r, i in zip(rows, index, strict=True)]
+        self.cache.ensure_zeroed(max(blocks), max(window))
+        self.cache.set_entries(
+            batch_rows, *(torch.tensor(values, device=self.device) for values in (index, blocks, window))
         )
         position_ids = torch.tensor([r.position for r in rows], device=self.device)[:, None]
         lengths = torch.tensor([r.position + 1 for r in rows], device=self.device)
@@ -265,7 +273,7 @@ class TorchRunner:
         if self.device.type == "cuda":
             self.cache.prepare(batch_rows, position_ids, 0, "paged")
             mask = torch.zeros(len(rows), 1, 1, 1, dtype=self.dtype, device=self.device)
-            paged = {"kv_block_tables": self.cache.tables[batch_rows].to(torch.int32), "kv_lengths": lengths.int()}
+            paged = {**self.cache.paged_tables(batch_rows), "kv_lengths": lengths.int()}
             return self._forward(tokens, position_ids, mask, **paged)
         kv_len = max(r.position + 1 for r in rows)
         self.cache.prepare(batch_rows, position_ids, kv_len, "gather")
@@ -385,10 +393,16 @@ def size_pool(loaded: LoadedModel, config: EngineConfig) -> KvGeometry:
     """The KV block pool within the memory budget: --kv-cache-gb, or what the device has left (rows.kv_budget;
     on a CPU touched only as it fills: see PagedCache). Sized from the model's config, whose key/value heads are a
     tensor-parallel rank's own (models/tensor_parallel.py)."""
-    info = loaded.info
+    info, model_config = loaded.info, loaded.model.config
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else kv_budget(info.device)
-    per_token = kv_bytes_per_token(loaded.model.config, info.dtype)
-    return kv_pool(info.context_length, per_token, config.block_size, budget, config.max_batch)
+    window, sliding = sliding_layers(model_config)
+    layers = model_config.get_text_config().num_hidden_layers
+    per_token = kv_bytes_per_token(model_config, info.dtype, layers - len(sliding))
+    windows = None
+    if window is not None and sliding:
+        sliding_bytes = kv_bytes_per_token(model_config, info.dtype, len(sliding))
+        windows = WindowLayers(window, sliding_bytes, config.prefill_chunk)
+    return kv_pool(info.context_length, per_token, config.block_size, budget, config.max_batch, window=windows)
 
 
 def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
