@@ -504,6 +504,8 @@ class Harness:
                 assert (tokens, end.stop_reason) == (expected, reason), request.request_id
             assert end.cached_tokens == sequence.cached_prompt_tokens
             assert end.cached_tokens % self.pool.block_size == 0 and end.cached_tokens < len(request.prompt_ids)
+            if self.config.deterministic:  # whole chunks only
+                assert end.cached_tokens % self.config.prefill_chunk == 0
 
 
 def traffic(seed: int, ops: int = 200) -> Traffic:

@@ -383,6 +383,21 @@ STOPPED_AT_ONCE = "stopping at once: asked again while the model loads"
 
 
 # The second signal's delay: two sent at the same instant may reach the process as one (signals do not queue).
+def test_a_python_warning_goes_out_as_a_json_log_line() -> None:
+    """A library's Python warning (pydantic warns of a schema's field, say) in a JSON log is a JSON line like every
+    other, not a raw line that a log reader cannot parse."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings; from rbee_worker.logs import configure_logging; configure_logging('info', 'json'); "
+        "warnings.warn('a field attribute has no effect', UserWarning)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    lines = [json.loads(line) for line in result.stderr.splitlines()]
+    assert len(lines) == 1 and "a field attribute has no effect" in lines[0]["msg"], result.stderr
+
+
 @pytest.mark.parametrize("second_after", [None, 0.05, 0.2, 0.5, 1.0], ids=["one", "0.05s", "0.2s", "0.5s", "1s"])
 def test_stop_signals_while_loading_end_the_process_promptly(tmp_path: Path, second_after: float | None) -> None:
     """SIGINT while the model loads (as Ctrl-C): the load is cancelled and the process exits 0 within seconds, the

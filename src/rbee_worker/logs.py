@@ -50,6 +50,8 @@ def configure_logging(level: str, log_format: str | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else PrettyFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # A library's Python warning (a pydantic schema's, say) goes out as a log record, not as a raw line in a JSON log.
+    logging.captureWarnings(True)
     # httpx logs each request it sends at info: every heartbeat, and the route-table request at start-up. The worker
     # logs what those mean itself (a failed callback or heartbeat); httpx's own lines stay for --log-level debug.
     logging.getLogger("httpx").setLevel(logging.NOTSET if level.lower() == "debug" else logging.WARNING)

@@ -84,11 +84,13 @@ class BlockPool:
             parent = key
         return len(table.blocks) * size
 
-    def match_window(self, table: BlockTable, token_ids: Sequence[int], found: int, window: int) -> int:
+    def match_window(
+        self, table: BlockTable, token_ids: Sequence[int], found: int, window: int, multiple: int = 1
+    ) -> int:
         """In a pool of windows (the sliding layers' own): an empty table takes the registered blocks that the window
-        of the longest prefix needs, of at most `found` tokens (whole blocks): the blocks of its positions from
-        `found' - window + 1` on, its entries before them the scratch block; returns the tokens of that prefix (0 when
-        no prefix's window is cached whole)."""
+        of the longest prefix needs, of at most `found` tokens (whole blocks, and a `multiple` of tokens): the blocks
+        of its positions from `prefix - window + 1` on, its entries before them the scratch block; returns the tokens
+        of that prefix (0 when no prefix's window is cached whole)."""
         assert not table.blocks, "only a sequence with no blocks looks up its prefix"
         size, parent, keys, present = self.block_size, b"", [], []
         for start in range(0, found - size + 1, size):
@@ -102,7 +104,7 @@ class BlockPool:
             runs.append(run)
         for count in range(len(keys), 0, -1):  # the prefix of `count` blocks, the longest first
             first = max(count * size - window + 1, 0) // size  # its window's first block
-            if runs[count - 1] >= count - first:
+            if count * size % multiple == 0 and runs[count - 1] >= count - first:
                 blocks = [self._by_key[key] for key in keys[first:count]]
                 for block in blocks:
                     self._hold(block)

@@ -43,6 +43,7 @@ decode row has a forward of its own, chunks split a prompt at multiples of `pref
 the prefix cache serves and keeps only prompt blocks inside whole chunks, which any request computes alike.
 """
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,11 +263,12 @@ class Scheduler:
         tokens = sequence.token_ids(0, sequence.prefill_end)
         if self._reuse is None:
             found = self.blocks.match(sequence.table, tokens, limit)
-            if self.windows is not None and found:
-                # As long a prefix as the sliding layers' pool holds the window of.
-                kept = self.windows.match_window(sequence.window_table, tokens, found, self.window)
-                self.blocks.shorten(sequence.table, kept)
-                found = kept
+            # In deterministic mode whole chunks only (the pool evicts a chunk's last blocks before its first ones).
+            multiple = math.lcm(self.config.prefill_chunk, self.blocks.block_size) if self.config.deterministic else 1
+            if self.windows is not None and found:  # as long a prefix as the sliding layers' pool holds the window of
+                found = self.windows.match_window(sequence.window_table, tokens, found, self.window, multiple)
+            found -= found % multiple
+            self.blocks.shorten(sequence.table, found)
             sequence.cached = found
             return
         assert sequence.row is not None
