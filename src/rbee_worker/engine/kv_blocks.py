@@ -11,6 +11,10 @@ longest chain of keys that its tokens give (`match`) and computes only the rest.
 more stays registered, in the free queue, until the pool needs it (least recently freed first). Several sequences may
 hold one registered block; none writes it, since a sequence writes only positions past its matched prefix, and a
 matched prefix is whole blocks.
+
+A pool of windows (a model's sliding layers' own, KvGeometry.window_blocks) is a BlockPool too, whose tables let go
+of their blocks before a sequence's window as it advances (`drop`: their entries become the scratch block), and
+whose prefix lookup takes only the blocks of a cached prefix's last window (`match_window`).
 """
 
 import hashlib
