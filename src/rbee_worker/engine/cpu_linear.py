@@ -16,6 +16,12 @@ import torch
 from rbee_worker.cpu_features import cpu_features
 from rbee_worker.models.quantize import replace_linears
 
+# Smaller layers stay plain: a packed product costs about 14-17 us a call whatever its size, more than aten's whole
+# one-row product of a small matrix (bench/cpu_linear.py --small, 2 threads, AVX-512: float32 64 x 64 3 against 17 us,
+# 256 x 256 6 against 20, 512 x 512 24 against 26; bfloat16, which aten computes slowly, 64 x 64 5 against 14 us and
+# 128 x 128 21 against 18). So a router's or a tiny model's layers are not packed.
+MIN_PACKED_WEIGHTS = {torch.float32: 1 << 18, torch.bfloat16: 1 << 14}
+
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b with W held reordered for oneDNN (an opaque tensor: it has no storage to share or count)."""
@@ -53,9 +59,15 @@ def can_pack(model: torch.nn.Module) -> bool:
 
 
 def pack_linears(model: torch.nn.Module) -> None:
-    """Swap every nn.Linear of a CPU model for a PackedLinear. The plain weights are then freed, except one that is
-    tied to another module (a tied LM head keeps the embedding it shares, beside its packed copy)."""
-    replace_linears(model, PackedLinear)
+    """Swap every nn.Linear of a CPU model of at least MIN_PACKED_WEIGHTS weights (of its dtype) for a PackedLinear.
+    The plain weights are then freed, except one that is tied to another module (a tied LM head keeps the embedding it
+    shares, beside its packed copy)."""
+
+    def packed(linear: torch.nn.Linear) -> PackedLinear | None:
+        weight = linear.weight
+        return PackedLinear(linear) if weight.numel() >= MIN_PACKED_WEIGHTS.get(weight.dtype, 0) else None
+
+    replace_linears(model, packed)
 
 
 def packed_bytes(model: torch.nn.Module) -> int:
