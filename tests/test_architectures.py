@@ -110,6 +110,20 @@ def reference(directory: Path, prompt_ids: list[int], sinks: bool = True, **conf
     return out[0, len(prompt_ids) :].tolist()
 
 
+def pool_bytes(directory: Path, full_blocks: int) -> int:
+    """A KV budget (float32, 4 rows, blocks and prompt chunks of 4) whose full layers' pool holds `full_blocks` blocks
+    beside the sliding layers' windows (rows.window_blocks_for) where the model has them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    window, sliding = sliding_layers(config)
+    layers = config.get_text_config().num_hidden_layers
+    full = (full_blocks + 1) * 4 * kv_bytes_per_token(config, torch.float32, layers - len(sliding))
+    if window is None:
+        return full
+    return full + window_blocks_for(window, 4, 4, 4) * 4 * kv_bytes_per_token(config, torch.float32, len(sliding))
+
+
 @pytest.fixture(scope="module")
 def prompts(demo_tokenizer_dir: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
@@ -182,15 +196,9 @@ def test_requests_preempted_under_windows_give_transformers_tokens(case: str, ti
     """Four requests at once (two prompts twice) where the full layers' pool holds 30 blocks of 4 positions, two
     requests' worth, beside the sliding layers' windows: the newer ones are preempted and compute their windows' keys
     again on resuming, and all give transformers' tokens."""
-    from transformers import AutoConfig
-
     directory = tiny(case)
     expected = [reference(directory, ids) for ids in prompts]
-    model_config = AutoConfig.from_pretrained(directory)
-    window, sliding = sliding_layers(model_config)
-    full = kv_bytes_per_token(model_config, torch.float32, model_config.num_hidden_layers - len(sliding))
-    windows = window_blocks_for(window, 4, 4, 4) * 4 * kv_bytes_per_token(model_config, torch.float32, len(sliding))
-    config = engine_config(max_batch=4, prefill_chunk=4, block_size=4, kv_cache_bytes=(30 + 1) * 4 * full + windows)
+    config = engine_config(max_batch=4, prefill_chunk=4, block_size=4, kv_cache_bytes=pool_bytes(directory, 30))
     engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
     try:
         requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]

@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import engine_config, greedy, make_tiny_model, submit_together
-from test_architectures import NEW_TOKENS, OTHER_PROMPT, PROMPT, reference
+from test_architectures import NEW_TOKENS, OTHER_PROMPT, PROMPT, pool_bytes, reference
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.kv_cache import kv_bytes_per_token, sliding_layers
-from rbee_worker.engine.rows import window_blocks_for
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import Request
 from rbee_worker.models.loader import load_model
@@ -77,20 +75,6 @@ def routed_experts(directory: Path, prompt_ids: list[list[int]]) -> set[int]:
     with torch.inference_mode():
         model(input_ids=batch, attention_mask=mask)
     return seen
-
-
-def pool_bytes(directory: Path, full_blocks: int) -> int:
-    """A KV budget whose full layers' pool holds `full_blocks` blocks of 4 positions, beside the sliding layers' windows
-    (rows.window_blocks_for) where the model has them."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(directory)
-    window, sliding = sliding_layers(config)
-    layers = config.get_text_config().num_hidden_layers
-    full = (full_blocks + 1) * 4 * kv_bytes_per_token(config, torch.float32, layers - len(sliding))
-    if window is None:
-        return full
-    return full + window_blocks_for(window, 4, 4, 4) * 4 * kv_bytes_per_token(config, torch.float32, len(sliding))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

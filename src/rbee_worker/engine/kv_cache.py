@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from transformers import PretrainedConfig
 
+from rbee_worker.engine.attention import config_window
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK
 from rbee_worker.engine.runner import KvGeometry
 
@@ -70,7 +71,7 @@ def sliding_layers(config: PretrainedConfig) -> tuple[int | None, frozenset[int]
     slide, as transformers' masks decide them: those whose `layer_types` entry is "sliding_attention", or every layer
     of a model with a window whose config names no layer types (Mistral, Mixtral); (None, {}) without a window."""
     text = config.get_text_config()
-    window = getattr(text, "sliding_window", None) or None  # Qwen2-MoE's config says 0 for none
+    window = config_window(config)
     if window is None:
         return None, frozenset()
     types = getattr(text, "layer_types", None)
