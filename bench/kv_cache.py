@@ -8,8 +8,10 @@ as token ids, `ignore_eos` (every stream generates exactly --gen-tokens), greedy
 decode cases run again at temperature 0.7, top_p 0.9 (results keyed `<case>@chat`). Cases:
 
 - `batch1`: one stream after a 32-token prompt: decode tokens/s (first token to last) and its ratio to the ceiling
-  (bytes/s the GPU reads over the weight bytes plus the KV bytes one step reads: a sliding layer's over its window);
-- `batch64`: 64 streams after 32-token prompts at once: aggregate tokens/s over the window where all 64 decode;
+  (bytes/s the GPU reads over the weight bytes plus the KV bytes one step reads: a sliding layer's over its window;
+  of a mixture of experts, the weights one token reads, its routed experts, as the worker's ready line reports them);
+- `batch64`: 64 streams after 32-token prompts at once: aggregate tokens/s over the window where all 64 decode
+  (its ceiling reads every weight, every expert);
 - `long1`: one stream after an 8,000-token prompt (--long-prompt): decode tokens/s against its ceiling;
 - `long64`: 64 streams after distinct 2,000-token prompts: aggregate decode tokens/s where all decode, against
   the ceiling of a step over 64 such contexts;
@@ -37,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from rbee_worker.benchmark.peers import SAMPLING
-from rbee_worker.benchmark.run import TEXT, logged_weight_bytes, machine, read_bandwidth, start_worker, tokenizer_of
+from rbee_worker.benchmark.run import TEXT, logged_weights, machine, read_bandwidth, start_worker, tokenizer_of
 
 CASES = ("batch1", "batch64", "long1", "long64", "shared64", "chat")
 
@@ -139,7 +141,7 @@ def measure(args: argparse.Namespace, spec: dict, src: Path | None, flags: list[
             for mode in args.sampling:
                 key = case if mode == "greedy" else f"{case}@{mode}"
                 out[key] = decode_case(url, case, spec, args, SAMPLING[mode])
-        out["weight_bytes"] = logged_weight_bytes(log)
+        out |= logged_weights(log)
         out["max_model_len"] = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0].get("max_model_len")
         out["kv_cache_bytes"] = httpx.get(f"{url}/health", timeout=60).json().get("kv_cache_bytes")
     finally:
@@ -274,13 +276,17 @@ def kv_bytes_read(config: object, tokens: int) -> int:
     return read * heads * (key_dim + value_dim) * torch.bfloat16.itemsize
 
 
-def ceilings(args: argparse.Namespace, result: dict, weight_bytes: int, config: object) -> None:
+def ceilings(args: argparse.Namespace, result: dict, weights: dict[str, int], config: object) -> None:
+    """Each case's decode ceiling: the rows a step serves times the bandwidth over the bytes the step reads. One row
+    reads the weights a token reads (a mixture of experts' routed experts), many rows all of them (every expert)."""
     bandwidth = result["machine"]["read_bandwidth_gb_s"] * 1e9
     contexts = {"batch1": (1, 32 + args.gen_tokens // 2), "long1": (1, args.long_prompt + args.gen_tokens // 2),
                 "batch64": (args.streams, 32 + args.gen_tokens // 2),
                 "long64": (args.streams, args.shared_prompt + args.gen_tokens // 2)}  # fmt: skip
     result["ceiling_tok_s"] = {
-        case: rows * bandwidth / (weight_bytes + rows * kv_bytes_read(config, tokens))
+        case: rows
+        * bandwidth
+        / (weights["active_weight_bytes" if rows == 1 else "weight_bytes"] + rows * kv_bytes_read(config, tokens))
         for case, (rows, tokens) in contexts.items()
     }
 
@@ -327,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         from rbee_worker.models.loader import resolve_model_path
 
         config = AutoConfig.from_pretrained(resolve_model_path(args.model))
-        ceilings(args, result, result["this"]["weight_bytes"], config)
+        ceilings(args, result, result["this"], config)
         if result["this"].get("kv_cache_bytes"):  # the context that the same bytes give a model without windows
             per_token = kv_bytes_read(config, 1)  # every layer's keys and values of one token (bfloat16)
             result["this"]["context_without_windows"] = min(

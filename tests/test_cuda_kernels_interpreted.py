@@ -3,7 +3,11 @@ The int4 kernels (models/cuda_weight_only.py): the packing, the masks of partial
 order, and each of the three paths of `int4_matmul`. The paged decode attention (engine/decode_attention.py): the
 gather through block tables, each program's chunk of its row's length, empty chunks and padding rows, and the merge
 (or, with one split, the output written by the split kernel itself). The KV write (engine/kv_write.py): each new
-token's keys and values at its position in the pools, from transformers' strided layout. tests/test_cuda.py checks
+token's keys and values at its position in the pools, from transformers' strided layout. The fused experts
+(models/cuda_experts.py): the sort of (token, expert) pairs into blocks of one expert (every pair once, in order,
+sentinels in the padding, no block past the used ones), and the experts' output against transformers' own loop for
+Qwen3-MoE (SiLU, [E, out, in] weights) and gpt-oss (biases, clamped SwiGLU over interleaved columns, transposed
+weights). tests/test_cuda.py checks
 the same kernels compiled, on a GPU.
 
 The interpreter is chosen when Triton is imported, so the checks run in a child process. Its `tl.dot` on bfloat16
@@ -155,6 +159,98 @@ KV_WRITE_CHECKS = textwrap.dedent(
     """
 )
 
+EXPERTS_CHECKS = textwrap.dedent(
+    """
+    import copy as copy_module
+
+    import torch
+    import triton
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from rbee_worker.models import cuda_experts
+    from rbee_worker.models.cuda_experts import align, quantize_experts, use_fused_experts
+
+    tile = triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})  # the interpreter cannot time configs: one
+    cuda_experts._experts_up.configs = cuda_experts._experts_down.configs = [tile]
+    torch.manual_seed(0)
+    for pairs, experts, rows in ((8, 128, 16), (6, 8, 16), (300, 8, 32), (1000, 64, 16)):
+        ids = torch.randint(0, experts, (pairs,), dtype=torch.int32)
+        sorted_pairs, block_expert = align(ids, experts, rows)
+        assert sorted(sorted_pairs[sorted_pairs < pairs].tolist()) == list(range(pairs)), "every pair once"
+        assert ((sorted_pairs == pairs) | (sorted_pairs < pairs)).all()
+        used = (block_expert >= 0).sum().item()
+        assert (block_expert[used:] == -1).all() and (sorted_pairs[used * rows :] == pairs).all()
+        assert block_expert[:used].diff().ge(0).all(), "blocks in expert order"
+        for block in range(used):
+            members = sorted_pairs[block * rows : (block + 1) * rows]
+            members = members[members < pairs]
+            assert len(members) and (ids[members.long()] == block_expert[block]).all(), "one expert a block"
+            assert torch.equal(members, members.sort().values), "each expert's pairs in order"
+        assert used == sum(-(-c // rows) for c in torch.bincount(ids, minlength=experts).tolist() if c)
+    def dequantized(module, name, mode):
+        # The weights the codes stand for, [E, out, in], decoded here independently of the kernels.
+        codes, scales = getattr(module, name + "_codes"), getattr(module, name + "_scales")
+        if mode == "int8":
+            return codes.float() * scales.float()[..., None]
+        experts, words, outputs = codes.shape  # code j of word w: input 8w + j, bits 4j .. 4j + 3
+        q = (codes[:, :, None, :] >> (4 * torch.arange(8))[None, None, :, None]) & 15
+        pairs = scales.view(torch.bfloat16).float().reshape(experts, words // 4, outputs, 2)
+        scale, zero = (pairs[..., i].repeat_interleave(32, dim=1) for i in (0, 1))
+        return ((q.reshape(experts, words * 8, outputs) - 8) * scale + zero).transpose(1, 2)
+
+    def transformers_layout(module, weight, gate_up):
+        # [E, out, in] with all gates then all ups -> the module's own layout (gpt-oss: interleaved, transposed).
+        if gate_up and not module.is_concatenated:
+            weight = torch.stack(weight.chunk(2, dim=1), dim=2).flatten(1, 2)
+        return weight.transpose(1, 2) if module.is_transposed and weight.dim() == 3 else weight
+
+    def eager_over_codes(module, mode, case):
+        # transformers' own experts loop over the weights that the module's codes stand for.
+        copy = copy_module.deepcopy(module)
+        for name in ("gate_up_proj", "down_proj"):
+            weight = transformers_layout(module, dequantized(module, name, mode), name == "gate_up_proj")
+            setattr(copy, name, torch.nn.Parameter(weight))
+        if module.has_bias:
+            copy.gate_up_proj_bias = torch.nn.Parameter(transformers_layout(module, module.gate_up_proj_bias, True))
+        return type(module).forward.__wrapped__(copy, *case)
+
+    shapes = {
+        "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 64},
+        "gpt_oss": {"num_local_experts": 8, "intermediate_size": 64},
+    }
+    # float: transformers' arithmetic (to float32 rounding) over the weights; int8 / int4: the same over what the
+    # codes stand for, and within the codes' rounding of the float weights' result
+    for mode, rounding in (("float", 1e-5), ("int8", 0.03), ("int4", 0.3)):
+        for model_type, shape in shapes.items():
+            config = AutoConfig.for_model(
+                model_type, hidden_size=64, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=16, **shape
+            )
+            model = AutoModelForCausalLM.from_config(config)
+            module = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+            for parameter in module.parameters():
+                torch.nn.init.normal_(parameter, std=0.3)
+            model.set_experts_implementation("eager")
+            torch.manual_seed(1)
+            cases = []
+            for tokens in (1, 3, 40):
+                index = torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
+                cases.append((torch.randn(tokens, 64), index, torch.rand(tokens, 2)))
+            with torch.no_grad():
+                expected = [module(*case) for case in cases]
+                installed = use_fused_experts(model) if mode == "float" else quantize_experts(model, mode)
+                assert installed == 1 and module.fused_activation == (1 if model_type == "gpt_oss" else 0)
+                assert mode == "float" or not hasattr(module, "gate_up_proj")
+                got = [module(*case) for case in cases]
+                exact = expected if mode == "float" else [eager_over_codes(module, mode, case) for case in cases]
+            for (x, _, _), want, codes_want, have in zip(cases, expected, exact, got):
+                error = ((have - codes_want).abs().max() / codes_want.abs().max()).item()
+                rounded = ((have - want).abs().max() / want.abs().max()).item()
+                print(mode, model_type, len(x), f"{error:.2e} {rounded:.2e}")
+                assert error < 1e-5 and rounded < rounding, (mode, model_type, len(x), error, rounded)
+    print("ok")
+    """
+)
+
 
 def run_interpreted(checks: str) -> None:
     """Run `checks` in a child process with Triton's interpreter; it must print "ok"."""
@@ -176,3 +272,7 @@ def test_paged_decode_attention_in_the_triton_interpreter() -> None:
 
 def test_kv_write_in_the_triton_interpreter() -> None:
     run_interpreted(KV_WRITE_CHECKS)
+
+
+def test_fused_experts_in_the_triton_interpreter() -> None:
+    run_interpreted(EXPERTS_CHECKS)

@@ -94,8 +94,12 @@ def test_a_mixture_of_experts_gives_transformers_tokens(
         together = submit_together(engine, requests)
         _, cached = engine.prefix_cache_tokens()
         preempted = engine.preemptions
+        info, modules = engine.loaded.info, engine.loaded.model.modules()
+        experts = sum(p.nbytes for m in modules if type(m).__name__.endswith("Experts") for p in m.parameters())
     finally:
         engine.close()
     assert alone == expected[0]
     assert together == [*expected, *expected]
     assert cached > 0 and preempted > 0
+    # /health's and the ready callback's active_weight_bytes: all but the 6 of 8 experts a token is not routed to
+    assert info.weight_bytes - info.active_weight_bytes == experts * (EXPERTS - ROUTED) // EXPERTS > 0

@@ -39,6 +39,8 @@ PAYLOAD = ReadyPayload(
     url="http://127.0.0.1:8080",
     vram_bytes=0,
     memory_bytes=123_456_789,
+    weight_bytes=100_000_000,
+    active_weight_bytes=100_000_000,
     backend="cpu",
     device="cpu",
     runtime="llama.cpp",
@@ -46,7 +48,7 @@ PAYLOAD = ReadyPayload(
 )
 CONTRACT_KEYS = {
     "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "devices", "runtime",
-    "cpu",
+    "cpu", "weight_bytes", "active_weight_bytes",
 }  # fmt: skip
 
 

@@ -57,12 +57,13 @@ HEALTH_KEYS = {
     "kv_cache_usage_perc",
     "cpu",
     "weight_bytes",
+    "active_weight_bytes",
     "kv_cache_bytes",
     "runtime",
 }
 READY_KEYS = {
     "worker_id", "model_ref", "uri", "url", "vram_bytes", "memory_bytes", "backend", "device", "devices", "runtime",
-    "cpu",
+    "cpu", "weight_bytes", "active_weight_bytes",
 }  # fmt: skip
 BEAT_KEYS = {"worker_id", "timestamp", "health_status", "state"}
 CANCEL_LATENCY_S = 1.0  # the brief's bound for "the stream ends / the slot is free after a cancel"
@@ -171,6 +172,7 @@ def test_health_reports_loading_then_healthy(
     torch_block = 16 * 30 * 3 * 64 * 2 * (4 if body["dtype"] == "float32" else 2)
     assert body["kv_cache_bytes"] == {"torch": torch_block, "llama.cpp": 16 * 8192 * 23040}[runtime]
     assert body["memory_bytes"] == body["weight_bytes"] + body["kv_cache_bytes"]
+    assert body["active_weight_bytes"] == body["weight_bytes"]  # a dense model: a token reads every weight
 
 
 def test_ready(client: httpx.Client) -> None:
@@ -469,6 +471,7 @@ def test_ready_callback_retried_then_heartbeats(tmp_path: Path, manager_factory:
         # The demo's quantized weights as held and its KV cache (see test_health_reports_loading_then_healthy).
         health = httpx.get(f"{worker.url}/health").json()
         assert body["memory_bytes"] == health["weight_bytes"] + health["kv_cache_bytes"] and body["vram_bytes"] == 0
+        assert body["weight_bytes"] == body["active_weight_bytes"] == health["weight_bytes"]
         # --runtime auto: a GGUF file on the CPU runs on llama.cpp where llama-cpp-python is installed.
         assert body["runtime"] == health["runtime"] == ("llama.cpp" if llama_cpp_installed() else "torch")
         assert body["backend"] == "cpu" and body["device"] == "cpu"

@@ -58,6 +58,8 @@ class ReadyPayload:
     url: str  # the worker's base URL, e.g. http://10.0.0.5:8080
     vram_bytes: int
     memory_bytes: int
+    weight_bytes: int  # as /health's: every rank's weights, and what one token's forward reads of them
+    active_weight_bytes: int
     backend: str
     device: str
     runtime: str  # what runs the model: torch or llama.cpp
@@ -75,6 +77,8 @@ class ReadyPayload:
             "url": self.url,
             "vram_bytes": self.vram_bytes,
             "memory_bytes": self.memory_bytes,
+            "weight_bytes": self.weight_bytes,
+            "active_weight_bytes": self.active_weight_bytes,
             "backend": self.backend,
             "device": self.device,
             "devices": self.devices if self.devices is not None else [self.device],

@@ -218,7 +218,8 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             return
         url = advertised_url(config.host, port, config.callback_url)
         fields = {"worker_id": worker_id, "url": url, "runtime": loaded.info.runtime}
-        fields |= {"weight_bytes": loaded.info.weight_bytes, "kv_cache_bytes": engine.kv_cache_bytes()}
+        fields |= {"weight_bytes": loaded.info.weight_bytes, "active_weight_bytes": loaded.info.active_weight_bytes}
+        fields |= {"kv_cache_bytes": engine.kv_cache_bytes()}
         # What a user waits for: from the process's start (imports included) to healthy, beside the weights' load.
         fields |= {"startup_s": round(time.time() - psutil.Process().create_time(), 2)}
         fields |= {"weights_load_s": round(loaded.info.load_seconds, 2)}
@@ -243,6 +244,8 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
                 url=url,
                 vram_bytes=memory if loaded.info.device.type == "cuda" else 0,
                 memory_bytes=memory,
+                weight_bytes=loaded.info.weight_bytes,
+                active_weight_bytes=loaded.info.active_weight_bytes,
                 backend=loaded.info.device.type,
                 device=str(loaded.info.device),
                 devices=state.devices() if state.devices else [str(loaded.info.device)],

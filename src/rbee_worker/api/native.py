@@ -119,6 +119,7 @@ def native_router(state: WorkerState) -> APIRouter:
             "vram_bytes": memory if info.device.type == "cuda" else 0,
             "memory_bytes": memory,
             "weight_bytes": info.weight_bytes,
+            "active_weight_bytes": info.active_weight_bytes,
             "kv_cache_bytes": engine.kv_cache_bytes(),
             "runtime": info.runtime,
             "slots_total": engine.max_batch,

@@ -30,6 +30,8 @@ class Health(BaseModel):
     vram_bytes: int | None = None  # memory_bytes on a GPU, 0 elsewhere (CONTRACT.md §2): device says which
     memory_bytes: int | None = None  # weights + KV cache, measured (on a GPU: what torch has allocated); all ranks
     weight_bytes: int | None = None  # the weights as held (llama.cpp: llama_model_size)
+    # what one token's forward reads of them: a mixture of experts' routed experts only (a dense model's all)
+    active_weight_bytes: int | None = None
     kv_cache_bytes: int | None = None  # the KV cache in memory (llama.cpp, GPU: all of it, allocated at start)
     runtime: Literal["torch", "llama.cpp"] | None = None  # what runs the model (--runtime)
     slots_total: int | None = None  # --max-batch

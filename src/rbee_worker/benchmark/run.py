@@ -199,14 +199,16 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     raise SystemExit("error: the worker did not become healthy within 600 s")
 
 
-def logged_weight_bytes(log_path: Path) -> int | None:
-    """The weight bytes the worker reports in its ready line: the batch-1 ceiling reads these bytes, whatever their
-    format (bf16, int8, int4)."""
+def logged_weights(log_path: Path) -> dict[str, int]:
+    """The weight bytes the worker reports in its ready line, all of them and those one token reads (a mixture of
+    experts' routed experts; a build that does not log them: all), whatever their format (bf16, int8, int4): the
+    batch-1 ceiling reads the active ones. Empty where the worker never got ready."""
     for line in log_path.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError, AttributeError):
             if (fields := json.loads(line)).get("msg", "").startswith("ready:") and "weight_bytes" in fields:
-                return int(fields["weight_bytes"])
-    return None
+                total = int(fields["weight_bytes"])
+                return {"weight_bytes": total, "active_weight_bytes": int(fields.get("active_weight_bytes", total))}
+    return {}
 
 
 def run_peer(peer: str, args: argparse.Namespace, spec: dict) -> dict:
@@ -310,7 +312,7 @@ def serve_and_measure(
         finally:
             process.terminate()
             process.wait(timeout=60)
-        return figures | {"weight_bytes": logged_weight_bytes(log_path)}
+        return figures | logged_weights(log_path)
 
 
 def measure_round(args: argparse.Namespace, spec: dict) -> dict:
@@ -402,8 +404,8 @@ def main(args: argparse.Namespace) -> int:
     result["peers"] = peers = {peer: combine([r["peers"][peer] for r in rounds]) for peer in args.peers}
     if "bare_forward_s" in peers.get("transformers", {}):
         result["ttft_over_bare_forward"] = worker["ttft_s"] / peers["transformers"]["bare_forward_s"]
-    if "read_bandwidth_gb_s" in result and worker.get("weight_bytes"):
-        ceiling = result["read_bandwidth_gb_s"] * 1e9 / worker["weight_bytes"]
+    if "read_bandwidth_gb_s" in result and worker.get("active_weight_bytes"):
+        ceiling = result["read_bandwidth_gb_s"] * 1e9 / worker["active_weight_bytes"]
         result["batch1_ceiling_tok_s"] = ceiling
         result["decode_ratio_vs_ceiling"] = worker["decode_tok_s"] / ceiling
     round_ratios = [ratios(r["rbee-worker"], r["peers"]) for r in rounds if "error" not in r["rbee-worker"]]

@@ -86,6 +86,10 @@ class TorchRunner:
         if not config.compile_model:  # inductor packs the weights of what it compiles itself
             loaded = _pack_for_cpu(loaded)
         use_engine_attention(loaded.model, loaded.info.context_length)
+        if loaded.info.device.type == "cuda":
+            from rbee_worker.models.cuda_experts import use_fused_experts  # Triton: not on CPU-only machines
+
+            use_fused_experts(loaded.model)
         if loaded.info.device.type == "cuda" and caches_latent(loaded.model.config):
             # Its layers expand the latent they read from the cache: in a paged decode step that is the whole pool.
             raise ModelLoadError("latent attention (kv_lora_rank) on CUDA is not served yet; on a CPU it is")

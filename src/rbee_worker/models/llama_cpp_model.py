@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.models.gguf_format import GGUFFile, read_gguf
 from rbee_worker.models.gguf_model import end_token_ids
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.loaded import LoadedModel, ModelInfo, eos_ids
@@ -115,9 +115,20 @@ def load_llama_cpp(path: Path, device: torch.device, progress: LoadProgress) -> 
         dtype=torch.float32,  # the logits' type; the weights keep the file's types
         weight_bytes=native.llama_model_size(handle),
         runtime="llama.cpp",
+        unrouted_bytes=unrouted_tensor_bytes(file, str(arch)),
     )
     progress.bytes_loaded = progress.bytes_total
     return LoadedModel(model, tokenizer, info)  # type: ignore[arg-type]  # LoadedModel.model: either runtime's
+
+
+def unrouted_tensor_bytes(file: GGUFFile, arch: str) -> int:
+    """The bytes of a GGUF mixture of experts' expert tensors (llama.cpp's `*_exps.*`, each stacking every expert of
+    a layer; not the shared experts' `*_shexp.*`) that one token does not read: (experts - routed) / experts of them."""
+    experts, routed = file.metadata.get(f"{arch}.expert_count"), file.metadata.get(f"{arch}.expert_used_count")
+    if not isinstance(experts, int) or not isinstance(routed, int) or not 0 < routed < experts:
+        return 0
+    stacked = sum(info.nbytes for name, info in file.tensors.items() if "_exps." in name)
+    return stacked * (experts - routed) // experts
 
 
 def kv_bytes_per_token(handle: Any, meta: dict[str, Any]) -> int:

@@ -30,6 +30,12 @@ class ModelInfo:
     weight_bytes: int  # measured from the loaded tensors (llama.cpp: its own figure), not the file size
     load_seconds: float = 0.0
     runtime: str = "torch"  # what runs the forward: "torch" (model: a transformers model) or "llama.cpp"
+    unrouted_bytes: int = 0  # of a mixture of experts: the expert weights that one token's forward does not read
+
+    @property
+    def active_weight_bytes(self) -> int:
+        """The weights one token's forward reads: all but the experts it is not routed to (a dense model's all)."""
+        return self.weight_bytes - self.unrouted_bytes
 
 
 @dataclass(frozen=True)
@@ -115,9 +121,27 @@ def eos_ids(*sources: int | list[int] | None) -> frozenset[int]:
     return frozenset(ids)
 
 
+def unrouted_bytes(model: torch.nn.Module, routed: int | None) -> int:
+    """The bytes of expert weights that one token does not read when `routed` experts of each layer serve it: each
+    experts module's weights stacked by expert ([experts, out, in], and its biases [experts, out] beside them; not a
+    router's [experts, in]) times the share of experts not routed to. 0 for a dense model."""
+    unread = 0.0
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        if not isinstance(experts, int) or not routed or routed >= experts:
+            continue
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]  # quantized ones: buffers
+        own = [t for t in tensors if t.shape[:1] == (experts,)]
+        if any(p.dim() == 3 for p in own):
+            unread += sum(p.nbytes for p in own) * (experts - routed) / experts
+    return int(unread)
+
+
 def finish(model: PreTrainedModel, tokenizer, info: dict, device: torch.device) -> LoadedModel:
-    """Common last step of both loaders: eval mode, measured size, ModelInfo."""
+    """Common last step of both loaders: eval mode, measured size (and the experts a token does not read), ModelInfo."""
     model.eval()
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return LoadedModel(model, tokenizer, ModelInfo(**info, device=device, weight_bytes=tensor_bytes(model)))
+    routed = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    sizes = {"weight_bytes": tensor_bytes(model), "unrouted_bytes": unrouted_bytes(model, routed)}
+    return LoadedModel(model, tokenizer, ModelInfo(**info, device=device, **sizes))

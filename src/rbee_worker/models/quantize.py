@@ -54,7 +54,7 @@ def quantized_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def quantize_linears(model: torch.nn.Module, mode: str) -> None:
     """Swap each nn.Linear of the model's decoder layers for its int8 / int4 version, on the layer's own device (a
     matrix whose inputs do not split into groups of 32 stays as it is under int4), and on CUDA an untied LM head for
-    its int8 version."""
+    its int8 version and a mixture of experts' experts for theirs (models/cuda_experts.py; on the CPU they stay)."""
 
     def quantized(linear: torch.nn.Linear) -> torch.nn.Module | None:
         if mode == "int8":
@@ -67,7 +67,10 @@ def quantize_linears(model: torch.nn.Module, mode: str) -> None:
 
     replace_linears(model.get_decoder().layers, quantized)
     if model.get_output_embeddings().weight.device.type == "cuda":
+        from rbee_worker.models.cuda_experts import quantize_experts  # Triton: not on CPU-only machines
+
         quantize_head(model)
+        quantize_experts(model, mode)
 
 
 def quantize_head(model: torch.nn.Module) -> None:
