@@ -251,7 +251,7 @@ def fused_experts_forward(
     bucket = triton.next_power_of_2(pairs)
     # gate and up: gpt-oss's float weights interleave them (gate j at column 2j, up at 2j + 1), every other model's
     # and quantized weights hold all gates and then all ups; the biases as their weights
-    interleaved = not self.is_concatenated and getattr(self, "quantized_experts", None) is None
+    interleaved = self.fused_activation == CLAMPED_SWIGLU and getattr(self, "quantized_experts", None) is None
     gate_step, up_offset = (2, 1) if interleaved else (1, width)
     weights, scales, strides, kind = _projection(self, "gate_up_proj")
     bias = self.gate_up_proj_bias if self.has_bias else weights
@@ -277,12 +277,13 @@ def fused_experts_forward(
 
 def fused_activation(experts: torch.nn.Module) -> int | None:
     """The activation _experts_up applies for this experts module, or None where it has none of them (or a norm after
-    each expert): such a model keeps transformers' own experts."""
+    each expert): such a model keeps transformers' own experts. transformers' default gate splits gate and up as
+    halves (all gates, then all ups), gpt-oss's takes them interleaved."""
     if not getattr(experts, "has_gate", False) or getattr(experts, "has_post_expert_norm", False):
         return None
     if type(experts)._apply_gate is _default_apply_gate:
         return SILU if isinstance(getattr(experts, "act_fn", None), SILU_MODULES) else None
-    if type(experts).__name__ == "GptOssExperts" and not experts.is_concatenated:
+    if type(experts).__name__ == "GptOssExperts":
         return CLAMPED_SWIGLU
     return None
 
@@ -323,7 +324,7 @@ def quantize_experts(model: torch.nn.Module, mode: str) -> int:
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(module, name).detach()
             weight = weight.transpose(1, 2) if module.is_transposed else weight  # [E, out, in]
-            if name == "gate_up_proj" and not module.is_concatenated:
+            if name == "gate_up_proj" and module.fused_activation == CLAMPED_SWIGLU:
                 weight = torch.cat([weight[:, 0::2], weight[:, 1::2]], dim=1)
                 if module.has_bias:
                     bias = module.gate_up_proj_bias.detach()
