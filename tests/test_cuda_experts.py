@@ -96,6 +96,35 @@ def test_quantized_experts_decode_with_graphs_as_eagerly(mode: str, tmp_path: Pa
             engine.close()
 
 
+def test_a_gguf_file_keeps_its_4_bit_experts_on_cuda(tmp_path: Path, demo_gguf: Path, demo_tokenizer_dir: Path) -> None:
+    """A Q4_0 Qwen3-MoE GGUF file on CUDA (`--quantize auto`): every experts module holds the file's codes (its
+    projections' float weights gone; the codes decode to the file's weights exactly), and the last logits stay within
+    2% of the largest of transformers' over the file's dequantized weights, as for the file's other matrices
+    (test_gguf_architectures.test_a_quantized_file_keeps_its_matrices_quantized)."""
+    import gguf
+    from test_gguf_architectures import CASES, write_gguf
+    from transformers import AutoModelForCausalLM
+
+    from rbee_worker.models.gguf_format import read_gguf
+
+    model_type, overrides = CASES["qwen3moe"]
+    directory = make_tiny_model(tmp_path / "hf", model_type, demo_tokenizer_dir, **overrides)
+    metadata = {k: v for k, v in read_gguf(demo_gguf).metadata.items() if k.startswith("tokenizer.")}
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    original = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    write_gguf(path, original, "qwen3moe", metadata, gguf.GGMLQuantizationType.Q4_0)
+    loaded = load_model(str(path), Placement(CUDA, torch.bfloat16), runtime="torch")
+    experts = [m for m in loaded.model.modules() if getattr(m, "quantized_experts", None) == "int4"]
+    assert len(experts) == original.config.num_hidden_layers
+    assert not any(hasattr(m, "gate_up_proj") or hasattr(m, "down_proj") for m in experts)
+    from_file = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([loaded.tokenizer(PROMPTS[1])["input_ids"]])
+    with torch.inference_mode():
+        ours, theirs = loaded.model(ids.to(CUDA)).logits[0, -1].float().cpu(), from_file(ids).logits[0, -1]
+    print(f"Q4_0 experts: max |logit error| {(ours - theirs).abs().max():.4g}, max |logit| {theirs.abs().max():.4g}")
+    assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 64, 600])
 @pytest.mark.parametrize(("mode", "bound"), [("float", 2e-2), ("int8", 5e-2), ("int4", 0.3)])
 @pytest.mark.parametrize(

@@ -60,8 +60,8 @@ def write_gguf(
     tokenizer_metadata: dict[str, Any],
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
 ) -> None:
-    """`model` as a GGUF file of `arch`, written as convert_hf_to_gguf.py does for it: its matrices in `qtype`, the
-    rest (norms, biases) in float32."""
+    """`model` as a GGUF file of `arch`, written as convert_hf_to_gguf.py does for it: its matrices (and stacked
+    experts) in `qtype`, the rest (norms, biases) in float32."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_architecture()
@@ -99,12 +99,11 @@ def write_gguf(
         if hf_name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             # transformers' fused experts ([experts, 2 x width, hidden]: gate, then up): stacked per projection
             block = f"blk.{hf_name.split('.')[2]}"
-            if hf_name.endswith("down_proj"):
-                writer.add_tensor(f"{block}.ffn_down_exps.weight", tensor.numpy())
-            else:
-                gate, up = tensor.chunk(2, dim=1)
-                writer.add_tensor(f"{block}.ffn_gate_exps.weight", gate.contiguous().numpy())
-                writer.add_tensor(f"{block}.ffn_up_exps.weight", up.contiguous().numpy())
+            gate, up = tensor.chunk(2, dim=1)
+            parts = {"down": tensor} if hf_name.endswith("down_proj") else {"gate": gate, "up": up}
+            for part, data in parts.items():
+                data = data.contiguous().numpy().astype(np.float32)
+                writer.add_tensor(f"{block}.ffn_{part}_exps.weight", gguf.quants.quantize(data, qtype), raw_dtype=qtype)
             continue
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(base)}.{suffix}"
@@ -237,3 +236,39 @@ def test_on_the_llama_cpp_runtime_a_file_gives_llama_cpp_pythons_tokens(
         engine.close()
         llm.close()
     assert ours == theirs
+
+
+def test_a_q4_0_files_experts_keep_their_codes(tmp_path: Path, demo_gguf: Path, demo_tokenizer_dir: Path) -> None:
+    """gguf_quantized.keep_quantized_experts (what a Q4_0 mixture of experts gets on CUDA; called here on the CPU,
+    where nothing runs the kernels): each projection of each experts module holds the file's own codes (gate's rows,
+    then up's) and its scales rounded to bfloat16, and its float weights are gone. tests/test_cuda_experts.py runs
+    such a file on a GPU."""
+    from rbee_worker.models.dequant import int4_groups
+    from rbee_worker.models.gguf_quantized import EXPERT_TENSORS, keep_quantized_experts
+
+    model_type, overrides = CASES["qwen3moe"]
+    directory = make_tiny_model(tmp_path / "hf", model_type, demo_tokenizer_dir, **overrides)
+    metadata = {k: v for k, v in read_gguf(demo_gguf).metadata.items() if k.startswith("tokenizer.")}
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_gguf(path, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), "qwen3moe", metadata,
+               gguf.GGMLQuantizationType.Q4_0)  # fmt: skip
+    file = read_gguf(path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    assert keep_quantized_experts(model, file, torch.device("cpu"), torch.float32) == 2
+    for layer in range(2):
+        experts = model.model.layers[layer].mlp.experts
+        assert experts.quantized_experts == "int4" and not hasattr(experts, "gate_up_proj")
+        for projection, tensors in EXPERT_TENSORS.items():
+            words, pairs = getattr(experts, f"{projection}_codes"), getattr(experts, f"{projection}_scales")
+            count, word_rows, outputs = words.shape  # code j of word w: input 8w + j
+            codes = (words[:, :, None, :] >> (4 * torch.arange(8))[None, None, :, None]) & 15
+            codes = codes.reshape(count, word_rows * 8, outputs).transpose(1, 2)
+            scales = pairs.view(torch.bfloat16).reshape(count, word_rows // 4, outputs, 2)[..., 0].transpose(1, 2)
+            stored = []
+            for name in (f"blk.{layer}.{tensor}.weight" for tensor in tensors):
+                info = file.tensors[name]
+                parts = int4_groups(file.raw(name), info.ggml_type, (info.shape[0] * info.shape[1], info.shape[2]))
+                stored.append([part.view(info.shape[0], info.shape[1], -1) for part in parts])
+            file_codes, file_scales, _ = (torch.cat(p, dim=1) for p in zip(*stored, strict=True))
+            assert torch.equal(codes, file_codes.to(codes.dtype))
+            assert torch.equal(scales, file_scales.to(torch.bfloat16))

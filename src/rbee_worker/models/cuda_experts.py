@@ -21,6 +21,8 @@ The weights are read in transformers' layouts, whatever their strides: gate_up [
 transposed ([E, H, 2I], [E, I, H]) for gpt-oss.
 """
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -329,12 +331,21 @@ def quantize_experts(model: torch.nn.Module, mode: str) -> int:
                 if module.has_bias:
                     bias = module.gate_up_proj_bias.detach()
                     module.gate_up_proj_bias = torch.nn.Parameter(torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
-            codes, scales = (_int8_experts if mode == "int8" else _int4_experts)(weight)
-            delattr(module, name)
-            module.register_buffer(f"{name}_codes", codes)
-            module.register_buffer(f"{name}_scales", scales)
-        module.quantized_experts = mode
+            if mode == "int8":
+                hold(module, name, "int8", *_int8_experts(weight))
+            else:
+                groups = [int4_affine(expert) for expert in weight]
+                hold(module, name, "int4", *pack_int4_experts(*zip(*groups, strict=True)))
     return len(modules)
+
+
+def hold(experts: torch.nn.Module, name: str, mode: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """The projection `name` of an experts module held as `mode` codes and scales (as _projection reads them) in
+    place of its float weight."""
+    delattr(experts, name)
+    experts.register_buffer(f"{name}_codes", codes)
+    experts.register_buffer(f"{name}_scales", scales)
+    experts.quantized_experts = mode
 
 
 def _hidden(experts: torch.nn.Module) -> int:
@@ -349,12 +360,12 @@ def _int8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(experts, outputs, inputs), scales.reshape(experts, outputs)
 
 
-def _int4_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, out, in] -> int4 words [E, in / 8, out] and scale-and-zero pairs as int32 [E, in / 32, out], an expert at
-    a time (quantize.int4_affine, cuda_weight_only.pack_int4)."""
-    words, pairs = [], []
-    for expert in weight:
-        codes, scales, zeros = int4_affine(expert)
-        words.append(pack_int4(codes))
-        pairs.append(torch.stack([scales.T, zeros.T], dim=-1).to(torch.bfloat16).contiguous().view(torch.int32)[..., 0])
-    return torch.stack(words), torch.stack(pairs)
+def pack_int4_experts(
+    codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's codes [out, in] (0..15) and scales and zeros [out, in / 32], w = (q - 8) scale + zero ->
+    int4 words [E, in / 8, out] and scale-and-zero pairs as int32 [E, in / 32, out] (cuda_weight_only.pack_int4's
+    layout; the scales and zeros rounded to bfloat16, as the dense layers' are)."""
+    words = torch.stack([pack_int4(expert) for expert in codes])
+    pairs = torch.stack([torch.stack([s.T, z.T], dim=-1) for s, z in zip(scales, zeros, strict=True)])
+    return words, pairs.to(torch.bfloat16).contiguous().view(torch.int32)[..., 0]

@@ -5,6 +5,7 @@ matrices both need (models/gguf_model.py builds the model around them).
 """
 
 import math
+import re
 
 import gguf
 import torch
@@ -97,6 +98,59 @@ def keep_quantized(
             replacement = quantized_linear(raw, info.ggml_type, info.shape, module.bias, heads)
         replace_module(model, module_name, replacement)
         progress.add(buffer_bytes(replacement))
+
+
+# An experts module's projections and the GGUF tensors (llama.cpp's names, one per layer stacking every expert) that
+# hold them: transformers' gate_up_proj is the gate's rows, then the up's.
+EXPERT_TENSORS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+
+
+def keep_quantized_experts(model: torch.nn.Module, file: GGUFFile, device: torch.device, dtype: torch.dtype) -> int:
+    """On CUDA, a mixture of experts' 4-bit expert tensors (Q4_0 / Q4_1 / Q4_K) kept as the file stores them, for the
+    fused experts kernels (models/cuda_experts.py, which this installs): each projection whose tensors all have such
+    a type and which transformers loaded exactly as their dequantized values (as kept_as_stored asks of a linear
+    layer). How many experts modules keep their codes; the rest stay as loaded."""
+    from rbee_worker.models.cuda_experts import experts_modules, hold, pack_int4_experts, use_fused_experts
+
+    if not use_fused_experts(model):
+        return 0
+    names = {module: name for name, module in model.named_modules()}
+    kept = 0
+    for module in experts_modules(model):
+        layer = re.search(r"layers\.(\d+)\.", names[module])
+        if layer is None or module.is_transposed:
+            continue
+        stored = {
+            projection: [f"blk.{layer[1]}.{tensor}.weight" for tensor in tensors]
+            for projection, tensors in EXPERT_TENSORS.items()
+        }
+        if not all(_stored_as_loaded(file, module, *item, dtype) for item in stored.items()):
+            continue
+        for projection, tensors in stored.items():
+            parts = zip(*(_int4_expert_groups(file, tensor, device) for tensor in tensors), strict=True)
+            hold(module, projection, "int4", *pack_int4_experts(*(torch.cat(p, dim=1) for p in parts)))
+        kept += 1
+    return kept
+
+
+def _stored_as_loaded(
+    file: GGUFFile, experts: torch.nn.Module, projection: str, tensors: list[str], dtype: torch.dtype
+) -> bool:
+    """Whether the tensors exist in a 4-bit group type and their dequantized values, stacked, are the projection's
+    weights as transformers loaded them."""
+    if any(name not in file.tensors or file.tensors[name].ggml_type not in INT4_GROUP_TYPES for name in tensors):
+        return False
+    loaded = getattr(experts, projection).detach()
+    stacked = torch.cat([file.load(name, dtype) for name in tensors], dim=1)
+    return stacked.shape == loaded.shape and torch.equal(stacked, loaded.cpu())
+
+
+def _int4_expert_groups(file: GGUFFile, name: str, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A stacked experts tensor [E, out, in] as int4_groups' codes, scales and zeros, each [E, out, ...]."""
+    info = file.tensors[name]
+    experts, rows, cols = info.shape
+    parts = int4_groups(file.raw(name).to(device), info.ggml_type, (experts * rows, cols))
+    return tuple(part.view(experts, rows, -1) for part in parts)
 
 
 def quantized_linear(

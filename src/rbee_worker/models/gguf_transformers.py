@@ -19,7 +19,13 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from rbee_worker.devices import check_fits
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.gguf_format import GGUFFile
-from rbee_worker.models.gguf_quantized import QUANTIZED_TYPES, keep_quantized, quantized_weights, weight_bytes
+from rbee_worker.models.gguf_quantized import (
+    QUANTIZED_TYPES,
+    keep_quantized,
+    keep_quantized_experts,
+    quantized_weights,
+    weight_bytes,
+)
 from rbee_worker.models.gguf_tokenizer import build_tokenizer
 from rbee_worker.models.hf import check_attention, check_layer_types, check_loading_info, first_line
 from rbee_worker.models.loaded import LoadedModel, context_length_of, eos_ids, finish
@@ -76,6 +82,8 @@ def load_through_transformers(
     check_fits(weight_bytes(file, dtype, set(kept.values())), device, f"the weights of {path.name}")
     if kept:
         keep_quantized(model, file, arch, config, kept, device, dtype, progress)
+    if quantized and device.type == "cuda":
+        keep_quantized_experts(model, file, device, dtype)
     info = {
         "name": path.stem,
         "path": path,
