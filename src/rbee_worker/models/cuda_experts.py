@@ -40,7 +40,10 @@ FLOAT: tl.constexpr = tl.constexpr(0)  # how the weights are held
 INT8: tl.constexpr = tl.constexpr(1)
 INT4: tl.constexpr = tl.constexpr(2)
 SILU_MODULES = (torch.nn.SiLU, activations.SiLUActivation)  # config.hidden_act "swish" and "silu"
-ALIGN_CHUNK = 128  # pairs (and blocks) that _align handles at a time
+# Pairs (and blocks) that _align handles at a time: up to 128, fewer for fewer pairs (16 at least; a decode step of
+# one sequence has top_k), since its [chunk, experts] comparisons are the one program's latency in every layer; and
+# the sorted rows it fills with the sentinel at a time.
+ALIGN_CHUNK, FILL_CHUNK = 128, 1024
 
 
 def block_rows(pairs: int, experts: int) -> int:
@@ -61,7 +64,7 @@ def _product_configs() -> list[triton.Config]:
 @triton.jit
 def _align(
     experts_ptr, sorted_ptr, block_expert_ptr, P, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):  # fmt: skip
     """Pairs 0..P-1 (pair p: token p // top_k and its expert experts[p]) sorted by expert: expert e's pairs, in order,
     fill sorted[start_e ..] where start_e is the sum of the experts before it's counts rounded up to BLOCK_M; the rest
@@ -80,9 +83,9 @@ def _align(
         # the expert whose rows hold the block's first row: the count of experts whose rows end at or before it
         expert = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(b * BLOCK_M < used, expert, -1), mask=b < max_blocks)
-    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + s, tl.zeros((CHUNK,), dtype=tl.int32) + P, mask=s < max_blocks * BLOCK_M)
+    for s0 in range(0, max_blocks * BLOCK_M, FILL):
+        s = s0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + s, tl.zeros((FILL,), dtype=tl.int32) + P, mask=s < max_blocks * BLOCK_M)
     tl.debug_barrier()  # the sentinels are written before the pairs overwrite some of them
     cursor = ends - padded  # each expert's next free row
     later = tl.arange(0, CHUNK)[:, None] > tl.arange(0, CHUNK)[None, :]
@@ -211,9 +214,10 @@ def align(expert_ids: torch.Tensor, experts: int, rows: int) -> tuple[torch.Tens
     device = expert_ids.device
     sorted_pairs = torch.empty(max_blocks * rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    chunk = min(ALIGN_CHUNK, max(16, triton.next_power_of_2(pairs)))
     _align[(1,)](
         expert_ids, sorted_pairs, block_expert, pairs, max_blocks,
-        BLOCK_M=rows, BLOCK_E=triton.next_power_of_2(experts), CHUNK=ALIGN_CHUNK, num_warps=4,
+        BLOCK_M=rows, BLOCK_E=triton.next_power_of_2(experts), CHUNK=chunk, FILL=FILL_CHUNK, num_warps=4,
     )  # fmt: skip
     return sorted_pairs, block_expert
 
