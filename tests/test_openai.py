@@ -187,6 +187,15 @@ def test_bad_parameters_raise_bad_request(client: openai.OpenAI, params: dict, f
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "field", [{"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"n": 2}, {"logit_bias": {"1": 5}}], ids=str
+)
+def test_a_refused_field_is_named_in_param(http: httpx.Client, field: dict) -> None:
+    response = http.post("/v1/completions", json={"model": DEMO_NAME, "prompt": PROMPT, "max_tokens": 2, **field})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == next(iter(field))
+
+
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)

@@ -137,15 +137,27 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = Field(None, description="must be 1 if given")
     suffix: str | None = Field(None, description="not supported: must be empty")
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
+    # Field validators, so that the error's `param` names the field.
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, echo: bool) -> bool:
+        if echo:
             raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
-        if self.suffix:
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
             raise ValueError("suffix is not supported")
-        return self
+        return suffix
 
 
 class TextPart(BaseModel):
