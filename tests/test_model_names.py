@@ -9,7 +9,7 @@ from serving import DEMO_NAME, PROMPT, Worker, running
 
 pytestmark = pytest.mark.slow
 
-ALIASES = ("alias", "other-alias")
+ALIASES = ("alias", "other-alias", "org/with-slash")
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,15 @@ def client(worker: Worker) -> openai.OpenAI:
 
 def test_models_lists_every_name_once_the_reported_one_first(client: openai.OpenAI) -> None:
     assert [model.id for model in client.models.list().data] == [*ALIASES, "demo", DEMO_NAME]
+
+
+def test_each_name_is_retrieved_and_an_unknown_one_is_a_404(client: openai.OpenAI) -> None:
+    """GET /v1/models/{id} (`models.retrieve`), for a name with a slash too."""
+    for name in [*ALIASES, "demo", DEMO_NAME]:
+        card = client.models.retrieve(name)
+        assert (card.id, card.object) == (name, "model") and card.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
 
 
 @pytest.mark.parametrize("name", ["demo", "alias", "other-alias", DEMO_NAME])

@@ -92,14 +92,27 @@ def openai_router(state: WorkerState) -> APIRouter:
         tags=["OpenAI-compatible"], route_class=rendering_route((AdmissionError, ApiError), openai_error)
     )
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=state.started_at, max_model_len=state.engine.context_length)
+
     @router.get("/v1/models", response_model=ModelList, responses={**UNAUTHORIZED, 503: ERRORS[503]})
     async def models() -> ModelList:
         if not state.engine.is_loaded:
             raise Loading()
-        context = state.engine.context_length
-        return ModelList(
-            data=[ModelCard(id=name, created=state.started_at, max_model_len=context) for name in state.model_names]
-        )
+        return ModelList(data=[card(name) for name in state.model_names])
+
+    # `:path`: served names may hold slashes (`org/name`, `hf:org/name`)
+    @router.get(
+        "/v1/models/{model:path}",
+        response_model=ModelCard,
+        responses={**UNAUTHORIZED, 404: ERRORS[404], 503: ERRORS[503]},
+    )
+    async def model(model: str) -> ModelCard:
+        """One served name's card, as GET /v1/models lists it (`client.models.retrieve`)."""
+        if not state.engine.is_loaded:
+            raise Loading()
+        check_model(state, model)
+        return card(model)
 
     @router.post(
         "/v1/completions",
