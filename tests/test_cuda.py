@@ -488,9 +488,8 @@ def test_sliding_windows_on_cuda_graphs_give_the_cpu_float32_tokens(
 ) -> None:
     """Sliding layers on CUDA (decode steps in CUDA graphs, each window read through the paged reference, or gathered
     for the model's own eager function: Gemma 2's soft-capping) give the tokens of the CPU's float32 engine, which
-    tests/test_architectures.py holds to transformers' `generate`: alone, and four requests at once. (gpt-oss in
-    float32 is left out: transformers' grouped-matmul experts copy from the host inside the graph's capture, which
-    fails the load; its bfloat16 decode graphs run in the test below.)"""
+    tests/test_architectures.py holds to transformers' `generate`: alone, and four requests at once. (gpt-oss, whose
+    experts run the fused kernels on CUDA, is in tests/test_cuda_experts.py's same comparison.)"""
     model_type, overrides = CASES[case]
     directory = make_tiny_model(tmp_path / case, model_type, demo_tokenizer_dir, **{**SPREAD, **overrides})
     config = EngineConfig(max_batch=4, kv_cache_bytes=64 << 20)

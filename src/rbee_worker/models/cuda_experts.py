@@ -55,10 +55,15 @@ def block_rows(pairs: int, experts: int) -> int:
 
 
 def _product_configs() -> list[triton.Config]:
+    """Tiles of BLOCK_N outputs by BLOCK_K inputs: narrow ones with long input steps for a decode step's few blocks
+    (many programs over each expert's weights, each streaming a long run of them), wider ones for prompt chunks."""
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3))
-    ]
+        for n, k, w, s in (
+            (16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3),
+            (128, 128, 8, 3),
+        )
+    ]  # fmt: skip
 
 
 @triton.jit
