@@ -171,7 +171,7 @@ def test_logprobs_shapes(client: openai.OpenAI) -> None:
     ("params", "fragment"),
     [
         ({"temperature": 3}, "temperature"),
-        ({"n": 2}, "n=1"),
+        ({"n": 0}, "n"),
         ({"max_tokens": 100_000}, "maximum context length"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -188,12 +188,76 @@ def test_bad_parameters_raise_bad_request(client: openai.OpenAI, params: dict, f
 
 
 @pytest.mark.parametrize(
-    "field", [{"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"n": 2}, {"logit_bias": {"1": 5}}], ids=str
+    "field",
+    [{"echo": True}, {"suffix": "x"}, {"best_of": 0}, {"n": 200}, {"logit_bias": {"1": 5}}, {"best_of": 2, "n": 3}],
+    ids=str,
 )
 def test_a_refused_field_is_named_in_param(http: httpx.Client, field: dict) -> None:
     response = http.post("/v1/completions", json={"model": DEMO_NAME, "prompt": PROMPT, "max_tokens": 2, **field})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == next(iter(field))
+
+
+def test_n_choices_each_drawn_on_its_own_seed(client: openai.OpenAI) -> None:
+    """n=3, completions and chat, streamed and not: three choices indexed 0..2, each drawn with its own seed (seed +
+    i), so they differ and a seeded request replays; the prompt counted once in the usage. (A choice's draws equal a
+    one-choice request's with seed + i in --deterministic mode only: otherwise a batch's other rows change the logits'
+    rounding, as for any concurrent requests.)"""
+    sampled = {"temperature": 1.0, "max_tokens": 6, "seed": 11, "extra_body": {"ignore_eos": True}}
+    many = client.completions.create(model=DEMO_NAME, prompt=PROMPT, n=3, **sampled)
+    alone = client.completions.create(model=DEMO_NAME, prompt=PROMPT, **sampled)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert len({c.text for c in many.choices}) > 1  # the seeds draw differently
+    assert [c.text for c in client.completions.create(model=DEMO_NAME, prompt=PROMPT, n=3, **sampled).choices] == [
+        c.text for c in many.choices
+    ]
+    assert many.usage.prompt_tokens == alone.usage.prompt_tokens and many.usage.completion_tokens == 3 * 6
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=DEMO_NAME, prompt=PROMPT, n=3, stream=True, **sampled):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in many.choices]
+
+    chat = client.chat.completions.create(model=DEMO_NAME, messages=QUESTION, n=3, **sampled)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and all(c.message.content for c in chat.choices)
+    pieces: dict[int, str] = {}
+    finished = set()
+    chunks = list(
+        client.chat.completions.create(
+            model=DEMO_NAME, messages=QUESTION, n=3, stream=True, stream_options={"include_usage": True}, **sampled
+        )
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            pieces[choice.index] = pieces.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2} and [pieces[i] for i in range(3)] == [c.message.content for c in chat.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == chat.usage
+
+
+def test_batched_prompts_and_best_of(client: openai.OpenAI, http: httpx.Client) -> None:
+    """A batch of prompts (texts, or token-id lists as lm-eval sends them): one choice per prompt, in order, the
+    usage summed; best_of returns the n of its sequences with the highest sum of token logprobs."""
+    other = "Once upon a time"
+    one = [client.completions.create(model=DEMO_NAME, prompt=p, temperature=0, max_tokens=5) for p in (PROMPT, other)]
+    batch = client.completions.create(model=DEMO_NAME, prompt=[PROMPT, other], temperature=0, max_tokens=5)
+    assert [c.text for c in batch.choices] == [r.choices[0].text for r in one]
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in one)
+    ids = [http.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in (PROMPT, other)]
+    by_ids = client.completions.create(model=DEMO_NAME, prompt=ids, temperature=0, max_tokens=5)
+    assert [c.text for c in by_ids.choices] == [c.text for c in batch.choices]
+
+    sampled = {"temperature": 1.0, "max_tokens": 6, "seed": 5, "logprobs": 0}
+    drawn = client.completions.create(model=DEMO_NAME, prompt=PROMPT, n=4, **sampled)
+    best = client.completions.create(model=DEMO_NAME, prompt=PROMPT, n=2, best_of=4, **sampled)
+    ranked = sorted(drawn.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == drawn.usage.completion_tokens  # every sequence drawn is counted
+    plain = client.completions.create(model=DEMO_NAME, prompt=PROMPT, n=1, best_of=4, **{**sampled, "logprobs": None})
+    assert plain.choices[0].text == ranked[0].text and plain.choices[0].logprobs is None
 
 
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
@@ -216,9 +280,15 @@ def test_tokenize_detokenize_round_trip(http: httpx.Client) -> None:
     assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
 
 
-def test_streaming_client_that_leaves_cancels_its_job(client: openai.OpenAI, http: httpx.Client) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_streaming_client_that_leaves_cancels_its_job(client: openai.OpenAI, http: httpx.Client, n: int) -> None:
+    """Every choice's job (n of them) ends within a second of the client leaving."""
     stream = client.chat.completions.create(
-        model=DEMO_NAME, messages=[{"role": "user", "content": "Tell a very long story."}], max_tokens=2000, stream=True
+        model=DEMO_NAME,
+        messages=[{"role": "user", "content": "Tell a very long story."}],
+        max_tokens=2000,
+        stream=True,
+        n=n,
     )
     for _, _ in zip(range(3), stream, strict=False):
         pass

@@ -17,9 +17,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import Worker, execute, running
 
+from rbee_worker.api.choices import Generation, stream_chunks, usage
 from rbee_worker.api.metrics import Metrics
 from rbee_worker.api.native import event_json
-from rbee_worker.api.openai import Generation, stream_chunks, usage
 from rbee_worker.api.openai_schema import Usage
 from rbee_worker.engine.grammar import GrammarStats
 from rbee_worker.engine.types import End, Event, StopReason, Token
@@ -64,7 +64,7 @@ def end_event(cached_tokens: int, prompt_tokens: int = 40, tokens_out: int = 5) 
 
 
 def test_usage_has_openais_prompt_tokens_details() -> None:
-    body = usage(end_event(cached_tokens=32))
+    body = usage([end_event(cached_tokens=32)])
     assert body == {
         "prompt_tokens": 40,
         "completion_tokens": 5,
@@ -74,7 +74,7 @@ def test_usage_has_openais_prompt_tokens_details() -> None:
     assert Usage.model_validate(body).prompt_tokens_details.cached_tokens == 32
     # The official client's own model of it reads the field.
     assert openai.types.CompletionUsage.model_validate(body).prompt_tokens_details.cached_tokens == 32
-    assert usage(end_event(cached_tokens=0))["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage([end_event(cached_tokens=0)])["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_usage_schema_documents_cached_tokens() -> None:
@@ -92,12 +92,12 @@ async def fake_events(*events: Event) -> AsyncIterator[Event]:
 def streamed(include_usage: bool) -> list[str]:
     events = fake_events(Token("r", "Hi", (5,), 0), end_event(cached_tokens=16))
 
-    def chunk(piece: Generation, end: End | None) -> dict:
+    def chunk(index: int, piece: Generation, end: End | None) -> dict:
         finish = None if end is None else "stop"
         return {"id": "x", "choices": [{"index": 0, "text": "".join(piece.text), "finish_reason": finish}]}
 
     async def read() -> list[str]:
-        return [line async for line in stream_chunks(events, chunk, usage if include_usage else None, first=None)]
+        return [line async for line in stream_chunks([events], chunk, usage if include_usage else None, first=None)]
 
     return asyncio.run(read())
 

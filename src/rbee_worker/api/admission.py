@@ -106,19 +106,33 @@ async def admit(state: WorkerState, build: Callable[[], EngineRequest], http_req
     `build` runs only on a loaded engine and may raise its API's own errors (an invalid body, say), which pass
     through. Raises Unhealthy, Draining, Loading, DuplicateJob or AllSlotsBusy; a refused request leaves nothing behind.
     """
-    ensure_open(state)
-    request = await off_loop(state, build)
-    ensure_open(state)  # a drain may have begun meanwhile
-    if request.request_id in state.jobs:  # a job API job stays until its stream is read, even once generated
-        raise DuplicateJob(request.request_id)
-    try:
-        job = Job(request.request_id, state.engine.astream(request))
-    except DuplicateRequest:
-        raise DuplicateJob(request.request_id) from None
-    except EngineBusy as busy:
-        raise AllSlotsBusy(busy) from None
-    http_request.state.job_id = job.job_id
+    [job] = await admit_all(state, lambda: [build()], http_request)
     return job
+
+
+async def admit_all(state: WorkerState, build: Callable[[], list[EngineRequest]], http_request: Request) -> list[Job]:
+    """`admit` for a response of several requests (OpenAI's `n`, `best_of`, batched prompts): all of them or none,
+    the first one's id in `http_request.state.job_id`."""
+    ensure_open(state)
+    requests = await off_loop(state, build)
+    ensure_open(state)  # a drain may have begun meanwhile
+    jobs: list[Job] = []
+    try:
+        for request in requests:
+            if request.request_id in state.jobs:  # a job API job stays until its stream is read, even once generated
+                raise DuplicateJob(request.request_id)
+            try:
+                jobs.append(Job(request.request_id, state.engine.astream(request)))
+            except DuplicateRequest:
+                raise DuplicateJob(request.request_id) from None
+            except EngineBusy as busy:
+                raise AllSlotsBusy(busy) from None
+    except AdmissionError:
+        for job in jobs:  # submitted already: taken back
+            state.engine.cancel(job.job_id)
+        raise
+    http_request.state.job_id = jobs[0].job_id
+    return jobs
 
 
 def rendering_route(errors: type[E] | tuple[type[E], ...], render: Callable[[E], Response]) -> type[APIRoute]:

@@ -10,18 +10,13 @@ event loop too (admission.off_loop), and a prompt text too long for the context 
 it is tokenized (`check_fits`).
 """
 
-import asyncio
-import contextlib
 import dataclasses
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from rbee_worker.api.admission import (
@@ -31,16 +26,18 @@ from rbee_worker.api.admission import (
     DuplicateJob,
     Loading,
     Unhealthy,
-    admit,
+    admit_all,
     compile_grammar,
     ensure_open,
     off_loop,
     rendering_route,
 )
 from rbee_worker.api.api_error import ApiError
-from rbee_worker.api.native import SSE_HEADERS, sse_data
+from rbee_worker.api.choices import Generation, collect, sse_response, stream_chunks, usage
 from rbee_worker.api.native_schema import SSE_EVENT, UNAUTHORIZED
 from rbee_worker.api.openai_schema import (
+    MAX_CHOICES,
+    SEED_LIMIT,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -60,7 +57,7 @@ from rbee_worker.chat.output import ChatDelta, ChatOutput
 from rbee_worker.chat.reasoning import ReasoningSplitter, opens_reasoning_ids
 from rbee_worker.chat.tools import ToolCall, coalesced, forced_grammar, tool_output
 from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
+from rbee_worker.engine.types import End, StopReason, TokenLogprob
 from rbee_worker.engine.types import Request as EngineRequest
 
 FINISH_REASONS = {StopReason.EOS: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.MAX_TOKENS: "length"}
@@ -74,17 +71,6 @@ ERRORS = {
     503: {"model": ErrorResponse, "description": "loading, draining, or all slots busy (see Retry-After)"},
 }
 GENERATION_ERRORS = {**ERRORS, 500: {"model": ErrorResponse, "description": "inference failed"}}
-
-
-@dataclass
-class Generation:
-    """What a finished or streaming job has produced so far, for one response or chunk."""
-
-    text: list[str] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # how many tokens made each piece of `text`
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    end: End | None = None
-    offset: int = 0  # where `text` starts in the whole completion (characters): for text_offset
 
 
 def openai_router(state: WorkerState) -> APIRouter:
@@ -120,29 +106,43 @@ def openai_router(state: WorkerState) -> APIRouter:
         responses=with_stream(GENERATION_ERRORS, "CompletionResponse chunks, then data: [DONE]"),
     )
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        check_choices(body)
         grammar = await response_grammar(state, body.grammar, "response_format")
+        # best_of ranks sequences by their tokens' logprobs, which the engine then returns (and these routes drop
+        # where the request did not ask for them)
+        logprobs = body.logprobs if body.samples == body.n else max(body.logprobs or 0, 0)
 
-        def build() -> EngineRequest:
+        def build() -> list[EngineRequest]:
             check_model(state, body.model)
-            prompt_ids = completion_prompt(state, body.prompt, body.max_tokens)
-            return engine_request(
-                state, body, prompt_ids, body.max_tokens, body.logprobs, http_request, "cmpl", grammar
-            )
+            prompts = [completion_prompt(state, prompt, body.max_tokens) for prompt in body.prompts]
+            return [
+                engine_request(state, body, ids, body.max_tokens, logprobs, http_request, "cmpl", grammar, sample)
+                for ids in prompts
+                for sample in range(body.samples)
+            ]
 
-        job = await admit(state, build, http_request)
-        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
+        jobs = [job.events for job in await admit_all(state, build, http_request)]
+        base = {"id": http_request.state.job_id, "created": int(time.time()), "model": state.model_name}
 
-        def chunk(piece: Generation, end: End | None) -> dict:
-            logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
+        def choice(index: int, piece: Generation, end: End | None) -> dict:
+            text_logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
             finish = None if end is None else FINISH_REASONS[end.stop_reason]
-            choice = {"index": 0, "text": "".join(piece.text), "logprobs": logprobs, "finish_reason": finish}
-            return {**base, "object": "text_completion", "choices": [choice]}
+            return {"index": index, "text": "".join(piece.text), "logprobs": text_logprobs, "finish_reason": finish}
+
+        def usage_of(ends: list[End]) -> dict:
+            return usage(ends, per_prompt=body.samples)
 
         if body.stream:
-            return sse_response(stream_chunks(job.events, chunk, usage if body.include_usage else None, first=None))
-        generation = await collect(job.events, http_request)
-        end = generation.end
-        return JSONResponse({**chunk(generation, end), "usage": usage(end)})
+
+            def chunk(index: int, piece: Generation, end: End | None) -> dict:
+                return {**base, "object": "text_completion", "choices": [choice(index, piece, end)]}
+
+            return sse_response(stream_chunks(jobs, chunk, usage_of if body.include_usage else None, first=None))
+        generations = await collect(jobs, http_request)
+        kept = best_of_each(generations, body.samples, body.n)
+        choices = [choice(index, generation, generation.end) for index, generation in enumerate(kept)]
+        ends = [generation.end for generation in generations if generation.end is not None]
+        return JSONResponse({**base, "object": "text_completion", "choices": choices, "usage": usage_of(ends)})
 
     @router.post(
         "/v1/chat/completions",
@@ -160,77 +160,91 @@ def openai_router(state: WorkerState) -> APIRouter:
 
         prompt_ids: tuple[int, ...] = ()
 
-        def build() -> EngineRequest:
+        def build() -> list[EngineRequest]:
             nonlocal prompt_ids
             check_model(state, body.model)
             messages = [m.for_template() for m in body.messages]
             prompt_ids = render_chat(
                 state, messages, tools=tools, template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit
             )
-            request = engine_request(state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar)
-            return dataclasses.replace(request, reasoning=state.engine.reasoning)
+            return [
+                dataclasses.replace(
+                    engine_request(
+                        state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar, sample
+                    ),
+                    reasoning=state.engine.reasoning,
+                )
+                for sample in range(body.n)
+            ]
 
-        job = await admit(state, build, http_request)
-        base = {"id": job.job_id, "created": int(time.time()), "model": state.model_name}
+        jobs = [job.events for job in await admit_all(state, build, http_request)]
+        base = {"id": http_request.state.job_id, "created": int(time.time()), "model": state.model_name}
         reasoning = state.engine.reasoning  # admitted: the engine is loaded
-        output = ChatOutput(
-            tool_output(tools, body.tool_mode, state.engine.loaded.tool_format, body.parallel_tool_calls),
-            None if reasoning is None else ReasoningSplitter(reasoning, opens_reasoning_ids(reasoning, prompt_ids)),
-        )
+        tool_format = state.engine.loaded.tool_format
+        outputs = [
+            ChatOutput(
+                tool_output(tools, body.tool_mode, tool_format, body.parallel_tool_calls),
+                None if reasoning is None else ReasoningSplitter(reasoning, opens_reasoning_ids(reasoning, prompt_ids)),
+            )
+            for _ in jobs
+        ]
 
-        def usage_of(end: End) -> dict:
-            return usage(end, None if reasoning is None else output.reasoning_tokens)
+        def usage_of(ends: list[End]) -> dict:
+            return usage(ends, body.n, None if reasoning is None else sum(o.reasoning_tokens for o in outputs))
 
         def logprobs_of(piece: Generation) -> dict | None:
             if top is None:
                 return None
             return {"content": [chat_logprob(state, lp) for lp in piece.logprobs]}
 
-        def finish_reason(end: End) -> str:
+        def finish_reason(index: int, end: End) -> str:
             natural = end.stop_reason is not StopReason.MAX_TOKENS
-            return "tool_calls" if output.called and natural else FINISH_REASONS[end.stop_reason]
+            return "tool_calls" if outputs[index].called and natural else FINISH_REASONS[end.stop_reason]
 
         if body.stream:
 
-            def chunk(piece: Generation, end: End | None) -> dict | None:
+            def chunk(index: int, piece: Generation, end: End | None) -> dict | None:
+                output = outputs[index]
                 delta = output.feed_pieces(list(zip(piece.text, piece.tokens, strict=True)))
                 if end is not None:
                     delta = delta.merged(output.finish())
                 if not delta and end is None and top is None:
                     return None
                 choice = {
-                    "index": 0,
+                    "index": index,
                     "delta": delta_json(delta),
                     "logprobs": logprobs_of(piece),
-                    "finish_reason": None if end is None else finish_reason(end),
+                    "finish_reason": None if end is None else finish_reason(index, end),
                 }
                 return {**base, "object": "chat.completion.chunk", "choices": [choice]}
 
-            opening = {
-                **base,
-                "object": "chat.completion.chunk",
-                "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                ],
-            }
-            return sse_response(
-                stream_chunks(job.events, chunk, usage_of if body.include_usage else None, first=opening)
+            def opening(index: int) -> dict:
+                delta = {"role": "assistant", "content": ""}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                return {**base, "object": "chat.completion.chunk", "choices": [choice]}
+
+            return sse_response(stream_chunks(jobs, chunk, usage_of if body.include_usage else None, first=opening))
+        generations = await collect(jobs, http_request)
+        choices = []
+        for index, generation in enumerate(generations):
+            message = outputs[index].message(list(zip(generation.text, generation.tokens, strict=True)))
+            reply: dict = {"role": "assistant", "content": message.content}
+            if reasoning is not None:
+                reply["reasoning_content"] = message.reasoning
+            if message.tool_calls:
+                reply["tool_calls"] = [call_json(call) for call in message.tool_calls]
+            end = generation.end
+            assert end is not None  # collect raised for a job without a result
+            choices.append(
+                {
+                    "index": index,
+                    "message": reply,
+                    "logprobs": logprobs_of(generation),
+                    "finish_reason": finish_reason(index, end),
+                }
             )
-        generation = await collect(job.events, http_request)
-        end = generation.end
-        message = output.message(list(zip(generation.text, generation.tokens, strict=True)))
-        reply: dict = {"role": "assistant", "content": message.content}
-        if reasoning is not None:
-            reply["reasoning_content"] = message.reasoning
-        if message.tool_calls:
-            reply["tool_calls"] = [call_json(call) for call in message.tool_calls]
-        choice = {
-            "index": 0,
-            "message": reply,
-            "logprobs": logprobs_of(generation),
-            "finish_reason": finish_reason(end),
-        }
-        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": usage_of(end)})
+        ends = [generation.end for generation in generations if generation.end is not None]
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage_of(ends)})
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -292,6 +306,28 @@ async def response_grammar(state: WorkerState, spec: GrammarSpec | None, param: 
         raise ApiError(400, f"{param}: {exc}", param=param) from None
 
 
+def check_choices(body: CompletionRequest) -> None:
+    """A completion's choices: best_of at least n, not streamed where it leaves choices out, and at most
+    MAX_CHOICES engine requests in all."""
+    if body.samples < body.n:
+        raise ApiError(400, f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of")
+    if body.stream and body.samples > body.n:
+        raise ApiError(400, "best_of cannot be streamed: the best choices are known once all have ended",
+                       param="best_of")  # fmt: skip
+    if (count := body.samples * len(body.prompts)) > MAX_CHOICES:
+        raise ApiError(400, f"{len(body.prompts)} prompts x {body.samples} choices = {count} sequences; at most "
+                       f"{MAX_CHOICES} per request", param="n")  # fmt: skip
+
+
+def best_of_each(generations: list[Generation], samples: int, n: int) -> list[Generation]:
+    """Of each prompt's `samples` consecutive generations, the `n` of the highest cumulative logprob, best first
+    (best_of); all of them in order where samples is n."""
+    if samples == n:
+        return generations
+    groups = [generations[i : i + samples] for i in range(0, len(generations), samples)]
+    return [g for group in groups for g in sorted(group, key=lambda g: g.cumulative_logprob, reverse=True)[:n]]
+
+
 def check_model(state: WorkerState, model: str | None) -> None:
     """A named model must be one of this one's names (on a loaded engine: one of them is the model's own)."""
     if model is not None and model not in state.model_names:
@@ -305,15 +341,12 @@ def check_model(state: WorkerState, model: str | None) -> None:
         )
 
 
-def completion_prompt(
-    state: WorkerState, prompt: str | list[str] | list[int], max_tokens: int | None
-) -> tuple[int, ...]:
-    """The token ids of a completion's prompt: a text (alone or the first of a list, which must hold one), or ids."""
-    if isinstance(prompt, list) and not isinstance(prompt[0], str):
+def completion_prompt(state: WorkerState, prompt: str | list[int], max_tokens: int | None) -> tuple[int, ...]:
+    """The token ids of one of a completion's prompts: a text, or ids."""
+    if isinstance(prompt, list):
         return check_token_ids(state, prompt, "prompt")
-    text = prompt if isinstance(prompt, str) else prompt[0]
-    check_fits(state, text, max_tokens or 1, "prompt")
-    return state.engine.tokenize(text)
+    check_fits(state, prompt, max_tokens or 1, "prompt")
+    return state.engine.tokenize(prompt)
 
 
 def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_empty: bool = False) -> tuple[int, ...]:
@@ -375,7 +408,10 @@ def engine_request(
     http_request: Request,
     prefix: str,
     grammar: CompiledGrammar | None,
+    sample: int = 0,
 ) -> EngineRequest:
+    """The engine request of one choice; `sample`: its place among its prompt's choices, which offsets a given seed
+    (each choice draws on its own, and the first one's draws are those of a request for one choice)."""
     context = state.engine.context_length
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
@@ -387,7 +423,7 @@ def engine_request(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens or room,
         sampling=sampling_params(body),
-        seed=body.seed,
+        seed=None if body.seed is None else (body.seed + sample) % SEED_LIMIT,
         stop=body.stops,
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         correlation_id=getattr(http_request.state, "correlation_id", None),
@@ -395,107 +431,6 @@ def engine_request(
         ignore_eos=body.ignore_eos,
         grammar=grammar,
     )
-
-
-def terminal_error(event: Error | End) -> ApiError:
-    """The error for a job that ended without a result (failed, or cancelled by a shutdown)."""
-    if isinstance(event, End):  # cancelled
-        return ApiError(503, "the request was cancelled (the worker is shutting down)", kind="server_error",
-                        code=ErrorCode.CANCELLED.value)  # fmt: skip
-    status = 400 if event.code is ErrorCode.INVALID_REQUEST else 500
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return ApiError(status, event.message, kind=kind, code=event.code.value)
-
-
-async def collect(events: AsyncIterator[Event], http_request: Request) -> Generation:
-    """Run a job to its end for a non-streaming response; a client that leaves meanwhile cancels it. Raises the
-    ApiError of a job that ends without a result."""
-
-    async def run() -> Generation:
-        generation = Generation()
-        async for event in events:
-            if isinstance(event, Token):
-                generation.text.append(event.text)
-                generation.tokens.append(len(event.token_ids))
-                generation.logprobs.extend(event.logprobs)
-            elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
-                generation.end = event
-            elif isinstance(event, End | Error):
-                raise terminal_error(event)
-        return generation
-
-    job = asyncio.ensure_future(run())
-    try:
-        while not job.done():
-            await asyncio.wait({job}, timeout=DISCONNECT_POLL_S)
-            if not job.done() and await http_request.is_disconnected():
-                job.cancel()
-        return await job
-    finally:
-        if not job.done():
-            job.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await job
-        await events.aclose()  # cancels the job in the engine if it has not ended
-
-
-async def stream_chunks(
-    events: AsyncIterator[Event],
-    chunk: Callable[[Generation, End | None], dict | None],
-    usage_of: Callable[[End], dict] | None,
-    first: dict | None,
-) -> AsyncIterator[str]:
-    """SSE chunks: one per piece of text (with the logprobs of its tokens; `chunk` gives None for a piece with
-    nothing to send yet), the last one with the finish reason, the usage if asked for, then [DONE]. Leaving early
-    (the client disconnected) cancels the job."""
-
-    def line(payload: dict) -> str:
-        if usage_of is not None:  # then every chunk has `usage`: null but the last one, as OpenAI's
-            payload = {**payload, "usage": payload.get("usage")}
-        return sse_data(payload)
-
-    try:
-        if first is not None:
-            yield line(first)
-        pending = Generation()  # tokens whose text is held back wait for the next piece
-        async for event in events:
-            if isinstance(event, Token):
-                pending.text.append(event.text)
-                pending.tokens.append(len(event.token_ids))
-                pending.logprobs.extend(event.logprobs)
-                if text := "".join(pending.text):
-                    if (payload := chunk(pending, None)) is not None:
-                        yield line(payload)
-                    pending = Generation(offset=pending.offset + len(text))
-            elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
-                last = chunk(pending, event)
-                assert last is not None  # the last piece always goes out: it carries the finish reason
-                yield line(last)
-                if usage_of is not None:
-                    yield line({**last, "choices": [], "usage": usage_of(event)})
-            elif isinstance(event, End | Error):
-                yield f"data: {json.dumps(terminal_error(event).body())}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        await events.aclose()
-
-
-def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def usage(end: End, reasoning_tokens: int | None = None) -> dict:
-    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens found in the prefix cache;
-    `completion_tokens_details.reasoning_tokens` for a reasoning model's chat."""
-    counts: dict[str, Any] = {
-        "prompt_tokens": end.prompt_tokens,
-        "completion_tokens": end.tokens_out,
-        "total_tokens": end.prompt_tokens + end.tokens_out,
-        "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
-    }
-    if reasoning_tokens is not None:
-        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return counts
 
 
 def delta_json(delta: ChatDelta) -> dict:

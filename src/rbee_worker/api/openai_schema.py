@@ -3,8 +3,8 @@ requests with them and publishes them in the OpenAPI document.
 
 Types are strict (pydantic's strict mode): `false` is not the number 0 and "1" is not 1, as JSON Schema says; an
 integer is still a valid float. Unknown request fields are ignored, as OpenAI-compatible servers do; fields that ask
-for something this worker does not do (n > 1, logit_bias, echo, suffix) are refused with a message that says
-so, never ignored.
+for something this worker does not do (logit_bias, echo, suffix) are refused with a message that says so, never
+ignored.
 """
 
 from typing import Annotated, Any, Literal
@@ -16,6 +16,7 @@ from rbee_worker.engine.grammar import GrammarSpec
 SEED_LIMIT = 2**64
 MAX_STOP = 4
 MAX_LOGPROBS = 20
+MAX_CHOICES = 128  # n, best_of, and a completion's prompts times either: the engine requests one response makes
 
 
 class StreamOptions(BaseModel):
@@ -67,7 +68,7 @@ class GenerationFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="the same seed replays the same sample")
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
-    n: int = Field(1, description="must be 1")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate, each drawn on its own (seed + i)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,13 +91,6 @@ class GenerationFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported: send one request per completion")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -130,11 +124,18 @@ class GenerationFields(BaseModel):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+    ) = Field(description="a text, token ids, or a batch of either: one choice (n of them) per prompt, in order")
     max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI's")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="also return the top N alternatives")
     echo: bool = Field(False, description="not supported: must be false")
-    best_of: int | None = Field(None, description="must be 1 if given")
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES, description="sequences drawn per prompt, of which the n most likely are returned"
+    )
     suffix: str | None = Field(None, description="not supported: must be empty")
 
     # Field validators, so that the error's `param` names the field.
@@ -145,19 +146,23 @@ class CompletionRequest(GenerationFields):
             raise ValueError("echo is not supported")
         return echo
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return best_of
-
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, suffix: str | None) -> str | None:
         if suffix:
             raise ValueError("suffix is not supported")
         return suffix
+
+    @property
+    def samples(self) -> int:
+        """Sequences drawn for each prompt: best_of, else n."""
+        return self.best_of or self.n
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts of the batch: a single text or id list as a batch of one."""
+        prompt = self.prompt
+        return prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]  # type: ignore[list-item]
 
 
 class TextPart(BaseModel):
