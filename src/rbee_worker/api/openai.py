@@ -7,7 +7,8 @@ Bodies are validated by the pydantic models of openai_schema.py; every error has
 is compiled before the job is submitted (awaited, off the event loop: see Engine.grammars), so a schema that does not
 compile is a 400 naming `response_format` before any work. Chat templates are rendered and prompts tokenized off the
 event loop too (admission.off_loop), and a prompt text too long for the context whatever its tokens is refused before
-it is tokenized (`check_fits`).
+it is tokenized (`check_fits`). A response's choices (`n`, `best_of`, batched prompts) are collected or streamed by
+api/choices.py and written as OpenAI's JSON by api/openai_format.py.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ from rbee_worker.api.admission import (
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.choices import Generation, collect, sse_response, stream_chunks, usage
 from rbee_worker.api.native_schema import SSE_EVENT, UNAUTHORIZED
+from rbee_worker.api.openai_format import call_json, chat_logprob, completion_logprobs, delta_json
 from rbee_worker.api.openai_schema import (
     MAX_CHOICES,
     SEED_LIMIT,
@@ -53,16 +55,14 @@ from rbee_worker.api.openai_schema import (
 )
 from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import WorkerState
-from rbee_worker.chat.output import ChatDelta, ChatOutput
+from rbee_worker.chat.output import ChatOutput
 from rbee_worker.chat.reasoning import ReasoningSplitter, opens_reasoning_ids
-from rbee_worker.chat.tools import ToolCall, coalesced, forced_grammar, tool_output
+from rbee_worker.chat.tools import forced_grammar, tool_output
 from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
-from rbee_worker.engine.types import End, StopReason, TokenLogprob
+from rbee_worker.engine.types import End, StopReason
 from rbee_worker.engine.types import Request as EngineRequest
 
 FINISH_REASONS = {StopReason.EOS: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.MAX_TOKENS: "length"}
-# JSON has no -inf; a token the model rules out entirely gets this floor, as in vLLM.
-LOGPROB_FLOOR = -9999.0
 DISCONNECT_POLL_S = 0.25
 ERRORS = {
     **UNAUTHORIZED,
@@ -431,56 +431,3 @@ def engine_request(
         ignore_eos=body.ignore_eos,
         grammar=grammar,
     )
-
-
-def delta_json(delta: ChatDelta) -> dict:
-    """A chunk's delta: its content, and its tool-call pieces as OpenAI streams them (one per call; a call's first
-    piece has its id, type and name; every piece a part of its arguments' text)."""
-    payload: dict[str, Any] = {"content": delta.content} if delta.content else {}
-    if delta.reasoning:
-        payload["reasoning_content"] = delta.reasoning
-    if delta.calls:
-        payload["tool_calls"] = [
-            {"index": c.index, "function": {"arguments": c.arguments}}
-            if c.id is None
-            else {
-                "index": c.index,
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            }
-            for c in coalesced(delta.calls)
-        ]
-    return payload
-
-
-def call_json(call: ToolCall) -> dict:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def floor(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
-
-
-def chat_logprob(state: WorkerState, lp: TokenLogprob) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = state.engine.token_text(token_id)
-        return {"token": text, "logprob": floor(logprob), "bytes": list(text.encode())}
-
-    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-
-
-def completion_logprobs(state: WorkerState, piece: Generation) -> dict:
-    """The legacy completions format: parallel lists, one entry per token."""
-    text_of = state.engine.token_text
-    tokens = [text_of(lp.token_id) for lp in piece.logprobs]
-    offsets, offset = [], piece.offset
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [floor(lp.logprob) for lp in piece.logprobs],
-        "top_logprobs": [{text_of(i): floor(v) for i, v in lp.top} for lp in piece.logprobs],
-        "text_offset": offsets,
-    }

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from rbee_worker.chat.reasoning import ReasoningFormat, detect_reasoning
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.detokenizer import Detokenizer, token_texts
 from rbee_worker.engine.grammar import Grammars
-from rbee_worker.engine.mailbox import LoopMailbox
+from rbee_worker.engine.mailbox import EventStream, LoopMailbox
 from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
 from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
 from rbee_worker.engine.sampler import check_seed
@@ -259,9 +259,9 @@ class Engine:
             if not finished:
                 self.cancel(request.request_id)
 
-    def astream(self, request: Request) -> AsyncIterator[Event]:
+    def astream(self, request: Request) -> EventStream:
         """Submit now (raising EngineBusy at once) and return the request's events on the running event loop;
-        leaving the iterator early (or cancelling its task) cancels the request.
+        closing the stream before its end, a cancelled read or dropping it cancels the request.
 
         Only queues cross threads here: the event loop never runs model code (see the class docstring).
         """
@@ -271,18 +271,7 @@ class Engine:
             mailbox = self._mailboxes[loop] = LoopMailbox(loop)
         events: asyncio.Queue[Event] = asyncio.Queue()
         self.submit(request, lambda event: mailbox.post(events.put_nowait, event))
-        return self._receive(request.request_id, events)
-
-    async def _receive(self, request_id: str, events: "asyncio.Queue[Event]") -> AsyncIterator[Event]:
-        finished = False
-        try:
-            while not finished:
-                event = await events.get()
-                finished = isinstance(event, End | Error)
-                yield event
-        finally:
-            if not finished:
-                self.cancel(request_id)
+        return EventStream(events, lambda: self.cancel(request.request_id))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request between two steps; it ends with stop reason CANCELLED. Unknown ids are ignored."""

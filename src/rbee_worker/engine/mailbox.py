@@ -1,4 +1,4 @@
-"""Events from the engine thread to an asyncio event loop, one wake-up per batch.
+"""Events from the engine thread to an asyncio event loop, one wake-up per batch, and one request's events there.
 
 Why: `loop.call_soon_threadsafe` per event writes to the loop's self-pipe each time, a system call that releases the
 GIL; at 64 streams a decode step hands over 64 events, and each release lets the event loop thread (encoding and
@@ -11,6 +11,8 @@ import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from rbee_worker.engine.types import End, Error, Event
 
 
 class LoopMailbox:
@@ -34,3 +36,38 @@ class LoopMailbox:
             pending, self._pending = self._pending, []
         for deliver, item in pending:
             deliver(item)
+
+
+class EventStream:
+    """One request's events on the event loop, read as an async iterator until its End or Error. Closing it
+    (`aclose`), a read cancelled (the reader's task), or dropping it unread cancels the request unless it has ended,
+    whether or not any event was ever read (an async generator closed before its first read would run no cleanup:
+    a streamed response of several choices can close before it reads any choice)."""
+
+    def __init__(self, events: "asyncio.Queue[Event]", cancel: Callable[[], None]) -> None:
+        self._events, self._cancel, self._over = events, cancel, False
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._over:
+            raise StopAsyncIteration
+        try:
+            event = await self._events.get()
+        except asyncio.CancelledError:
+            self._stop()
+            raise
+        self._over = isinstance(event, End | Error)
+        return event
+
+    async def aclose(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if not self._over:
+            self._over = True
+            self._cancel()
+
+    def __del__(self) -> None:
+        self._stop()
