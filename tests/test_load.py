@@ -133,6 +133,24 @@ def test_concurrent_clients_get_their_solo_outputs(worker: Worker) -> None:
     assert max(c.times[0] for c in together.values()) < min(c.times[-1] for c in together.values())
 
 
+def test_n_seeded_choices_are_the_one_choice_requests_of_seed_plus_i(worker: Worker) -> None:
+    """OpenAI's `n` with a seed: in --deterministic mode choice i is exactly a one-choice request with seed + i (each
+    choice its own engine request, batch-invariant); in the default mode a batch's other rows may change the logits'
+    rounding, so there the same n request replays instead."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    url = f"{worker.url}/v1/completions"
+
+    def texts(fields: dict) -> list[str]:
+        return [choice["text"] for choice in httpx.post(url, json={**body, **fields}, timeout=120).json()["choices"]]
+
+    many = texts({"n": 3})
+    if "--deterministic" in worker.process.args:
+        assert many == [texts({"seed": 11 + i})[0] for i in range(3)]
+    else:
+        assert many == texts({"n": 3})
+    assert len(set(many)) > 1
+
+
 def rss(worker: Worker) -> int:
     return psutil.Process(worker.process.pid).memory_info().rss
 
