@@ -110,6 +110,13 @@ def reference(directory: Path, prompt_ids: list[int], sinks: bool = True, **conf
     return out[0, len(prompt_ids) :].tolist()
 
 
+def twice_together(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of each prompt twice, the four requests submitted at once (the second of each prompt reads the
+    first's blocks from the prefix cache)."""
+    requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
+    return submit_together(engine, requests)
+
+
 def pool_bytes(directory: Path, full_blocks: int) -> int:
     """A KV budget (float32, 4 rows, blocks and prompt chunks of 4) whose full layers' pool holds `full_blocks` blocks
     beside the sliding layers' windows (rows.window_blocks_for) where the model has them."""
@@ -178,8 +185,7 @@ def test_the_engine_gives_transformers_tokens(case: str, tiny, prompts: list[lis
     engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
     try:
         alone, _ = greedy(engine, prompts[0], NEW_TOKENS)
-        requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
-        together = submit_together(engine, requests)
+        together = twice_together(engine, prompts)
         _, cached = engine.prefix_cache_tokens()
         kv = engine._runner.kv
     finally:
@@ -201,8 +207,7 @@ def test_requests_preempted_under_windows_give_transformers_tokens(case: str, ti
     config = engine_config(max_batch=4, prefill_chunk=4, block_size=4, kv_cache_bytes=pool_bytes(directory, 30))
     engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
     try:
-        requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
-        together = submit_together(engine, requests)
+        together = twice_together(engine, prompts)
         preempted = engine.preemptions
     finally:
         engine.close()
@@ -223,8 +228,7 @@ def test_decode_graphs_read_windows_from_the_paged_pool(case: str, tiny, prompts
     try:
         assert engine.loaded and engine._runner.graphs is not None
         alone, _ = greedy(engine, prompts[0], NEW_TOKENS)
-        requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
-        together = submit_together(engine, requests)
+        together = twice_together(engine, prompts)
     finally:
         engine.close()
     assert alone == expected[0]

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import greedy, make_tiny_model, submit_together
+from test_architectures import GREEDY
 from test_cuda import agree_but_near_ties
-from test_moe import FAMILIES, GREEDY
+from test_moe import FAMILIES
 
 from rbee_worker.devices import Placement
 from rbee_worker.engine.config import EngineConfig

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import engine_config, greedy, make_tiny_model, submit_together
-from test_architectures import NEW_TOKENS, OTHER_PROMPT, PROMPT, pool_bytes, reference
+from conftest import engine_config, greedy, make_tiny_model
+from test_architectures import NEW_TOKENS, OTHER_PROMPT, PROMPT, pool_bytes, reference, twice_together
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import Request
 from rbee_worker.models.loader import load_model
 
 EXPERTS, ROUTED = 8, 2
@@ -42,7 +40,6 @@ FAMILIES = {
         },
     ),
 }  # fmt: skip
-GREEDY = SamplingParams(temperature=0.0)
 FITTING = 30  # blocks of 4 positions of the full layers' pool: two requests' worth
 
 
@@ -90,8 +87,7 @@ def test_a_mixture_of_experts_gives_transformers_tokens(
     engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), config)
     try:
         alone, _ = greedy(engine, prompts[0], NEW_TOKENS)
-        requests = [Request(tuple(ids), max_tokens=NEW_TOKENS, sampling=GREEDY) for ids in (*prompts, *prompts)]
-        together = submit_together(engine, requests)
+        together = twice_together(engine, prompts)
         _, cached = engine.prefix_cache_tokens()
         preempted = engine.preemptions
         info, modules = engine.loaded.info, engine.loaded.model.modules()

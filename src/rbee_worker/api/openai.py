@@ -63,7 +63,6 @@ from rbee_worker.engine.types import End, StopReason
 from rbee_worker.engine.types import Request as EngineRequest
 
 FINISH_REASONS = {StopReason.EOS: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.MAX_TOKENS: "length"}
-DISCONNECT_POLL_S = 0.25
 ERRORS = {
     **UNAUTHORIZED,
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -110,7 +109,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         grammar = await response_grammar(state, body.grammar, "response_format")
         # best_of ranks sequences by their tokens' logprobs, which the engine then returns (and these routes drop
         # where the request did not ask for them)
-        logprobs = body.logprobs if body.samples == body.n else max(body.logprobs or 0, 0)
+        logprobs = body.logprobs if body.samples == body.n else body.logprobs or 0
 
         def build() -> list[EngineRequest]:
             check_model(state, body.model)
