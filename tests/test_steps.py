@@ -10,7 +10,7 @@ preempted requests, of prefixes found in the cache) shows up in `wrong`.
 
 import queue
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +79,7 @@ class FakeRunner:
         self.prompt_length: dict[int, int] = {}
         self.held: list[tuple[Pending, dict[int, int]]] = []  # steps launched with their sampling held
         self.fail_at: dict[int, Exception] = {}  # call number -> what it raises
+        self.before_failing: Callable[[], None] = lambda: None  # runs in a failing call, just before it raises
         self.poisoned = False
 
     def assign(self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: object) -> None:
@@ -164,6 +165,7 @@ class FakeRunner:
             raise Poison("poisoned")
         if error := self.fail_at.pop(self.calls, None):
             self.poisoned = isinstance(error, Poison)
+            self.before_failing()
             raise error
 
     def _decode(self, row: DecodeRow, token: int) -> int:
@@ -399,6 +401,24 @@ def test_a_forward_that_fails_once_ends_the_requests_in_it_and_the_engine_goes_o
         again = requests(3)
         received = run_together(engine, again)
         assert_own_tokens(received, again)
+    finally:
+        engine.close()
+
+
+def test_a_request_that_arrives_during_the_poisoning_step_fails_too(loaded: LoadedModel) -> None:
+    """A request still in the inbox when the device fails (never admitted: no row, no blocks) ends with the fault's
+    error like the admitted ones, and the engine thread stops cleanly."""
+    engine, runner = start(loaded, "eager", max_batch=2)
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    try:
+        runner.fail_at[3] = Poison("an illegal memory access")
+        runner.before_failing = lambda: engine.submit(Request((1, 2), max_tokens=4, request_id="late"), events.put)
+        received = run_together(engine, [Request((1, 2, 3), max_tokens=10, request_id=f"r{i}") for i in range(2)])
+        assert all(isinstance(received[f"r{i}"][-1], Error) for i in range(2))
+        late = events.get(timeout=10)
+        assert isinstance(late, Error) and late.request_id == "late" and "poisoned" in late.message
+        engine._thread.join(timeout=5)
+        assert not engine._thread.is_alive()
     finally:
         engine.close()
 

@@ -437,8 +437,8 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, Sequence):
-                self._retire(item, Error(item.request_id, code, message))
+            if isinstance(item, Sequence):  # never admitted: no row or blocks to free
+                self._end(item, Error(item.request_id, code, message))
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
@@ -469,6 +469,10 @@ class Engine:
             if sequence.row is not None and not sequence.finished:
                 self._runner.release(sequence.row)
             self._scheduler.free(sequence)
+        self._end(sequence, terminal)
+
+    def _end(self, sequence: Sequence, terminal: End | Error) -> None:
+        """Its id may come again, and its caller hears of the request's end."""
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request_id)
         _log_finished(sequence.request, terminal)
