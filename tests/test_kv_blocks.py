@@ -20,7 +20,7 @@ from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK, BlockPool, BlockTable, block_key
 from rbee_worker.engine.output import Output, OutputProcessor
 from rbee_worker.engine.rows import WindowLayers, kv_budget, kv_pool, window_blocks_for
-from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled
+from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled, Stepped
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
 from rbee_worker.engine.step import Steps
@@ -281,7 +281,7 @@ class KvReadingRunner:
     def release(self, row: int) -> None:
         pass
 
-    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         assert not (prompts and decodes) or self.kind == "mixed"
         self._maybe_fail()
         out = []
@@ -290,14 +290,14 @@ class KvReadingRunner:
                 self._write_both(row, row.start + i, token)
             if row.sample:
                 out.append(self._sample(row, row.start + len(row.token_ids) - 1))
-        return out + [self._decode(r, r.token) for r in decodes]
+        return Stepped(out + [self._decode(r, r.token) for r in decodes], [() for _ in prompts])
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
 
     def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Finished | Pending:
         if self.kind != "async":
-            return Finished(self.step([], decodes))
+            return Finished(self.step([], decodes).sampled)
         self._maybe_fail()
         fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]
         return Pending([self._decode(r, t) for r, t in zip(decodes, fed, strict=True)])

@@ -13,7 +13,7 @@ from rbee_worker.benchmark.accuracy import GREEDY_TOKENS, PROMPTS
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import Request
+from rbee_worker.engine.types import PromptLogprobs, Request
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.loader import load_model
 
@@ -131,3 +131,28 @@ def test_invalid_token_ids_fail_the_request_not_the_engine(engine: Engine) -> No
     assert events[-1].code.value == "INFERENCE_FAILED" and "llama_decode" in events[-1].message
     tokens, end = greedy(engine, engine.tokenize(PROMPTS[0]), 4)
     assert len(tokens) == end.tokens_out == 4
+
+
+def test_prompt_logprobs_are_llama_cpps_own_logits(engine: Engine, demo_gguf: Path) -> None:
+    """A prompt's logprobs (Request.prompt_logprobs, with a request generating beside it in the same llama_decode)
+    are the log-softmax of llama-cpp-python's own logits over the prompt (logits_all), within 1e-4."""
+    import numpy as np
+
+    prompt = engine.tokenize(" ".join(PROMPTS))
+    beside = Request(engine.tokenize(PROMPTS[0]), max_tokens=8, sampling=GREEDY)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    engine.submit(beside, lambda event: None)
+    engine.submit(Request(prompt, max_tokens=0, prompt_logprobs=0), events.put)
+    while not isinstance(event := events.get(timeout=120), PromptLogprobs):
+        pass
+    llm = llama_cpp.Llama(model_path=str(demo_gguf), n_ctx=512, n_threads=2, verbose=False, flash_attn=True,
+                          logits_all=True)  # fmt: skip
+    try:
+        llm.eval(list(prompt))
+        logits = np.asarray(llm.scores[: len(prompt) - 1], dtype=np.float64)
+    finally:
+        llm.close()
+    reference = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    expected = reference[np.arange(len(prompt) - 1), list(prompt[1:])]
+    assert [lp.token_id for lp in event.logprobs] == list(prompt[1:])
+    assert np.abs(np.array([lp.logprob for lp in event.logprobs]) - expected).max() < 1e-4

@@ -167,6 +167,40 @@ def test_logprobs_shapes(client: openai.OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_scores_the_prompts_as_lm_eval_asks(client: openai.OpenAI, http: httpx.Client) -> None:
+    """lm-eval's loglikelihood request: token-id prompts in a batch, echo, logprobs 1, max_tokens 0 or 1. Each choice
+    is its prompt's text (then the token generated), the prompt's tokens, the first token's logprob null and the
+    others' given the tokens before them; max_tokens 1 adds the greedy token with the logprob a plain completion gives
+    it. vLLM's prompt_logprobs gives the same numbers; a streamed echo sends the prompt as its first chunk."""
+    other = "Bees make honey from the nectar of flowers"
+    ids = [http.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in (PROMPT, other)]
+    echo = {"model": DEMO_NAME, "prompt": ids, "echo": True, "logprobs": 1, "temperature": 0}
+    scored = client.completions.create(**echo, max_tokens=0, extra_body={"prompt_logprobs": 0})
+    assert [c.text for c in scored.choices] == [PROMPT, other] and scored.usage.completion_tokens == 0
+    plain = client.completions.create(model=DEMO_NAME, prompt=ids, temperature=0, max_tokens=1, logprobs=1)
+    continued = client.completions.create(**echo, max_tokens=1)
+    for prompt, choice, one, longer in zip(ids, scored.choices, plain.choices, continued.choices, strict=True):
+        logprobs = choice.logprobs
+        assert choice.finish_reason == "length" and len(logprobs.tokens) == len(prompt)
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert all(lp < 0 for lp in logprobs.token_logprobs[1:]) and all(len(t) == 1 for t in logprobs.top_logprobs[1:])
+        assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(prompt))]
+        positions = choice.model_extra["prompt_logprobs"]
+        assert positions[0] is None
+        assert [p[str(t)]["logprob"] for p, t in zip(positions[1:], prompt[1:], strict=True)] == pytest.approx(
+            logprobs.token_logprobs[1:], abs=1e-6
+        )
+        assert longer.text == choice.text + one.text
+        assert longer.logprobs.token_logprobs[1:-1] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-3)
+        assert longer.logprobs.token_logprobs[-1] == pytest.approx(one.logprobs.token_logprobs[0], abs=1e-3)
+
+    chunks = list(client.completions.create(model=DEMO_NAME, prompt=PROMPT, echo=True, logprobs=1, temperature=0,
+                                            max_tokens=4, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].text == PROMPT and chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    whole = client.completions.create(model=DEMO_NAME, prompt=PROMPT, temperature=0, max_tokens=4)
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT + whole.choices[0].text
+
+
 @pytest.mark.parametrize(
     ("params", "fragment"),
     [
@@ -189,7 +223,14 @@ def test_bad_parameters_raise_bad_request(client: openai.OpenAI, params: dict, f
 
 @pytest.mark.parametrize(
     "field",
-    [{"echo": True}, {"suffix": "x"}, {"best_of": 0}, {"n": 200}, {"logit_bias": {"1": 5}}, {"best_of": 2, "n": 3}],
+    [
+        {"prompt_logprobs": 1, "stream": True},
+        {"suffix": "x"},
+        {"best_of": 0},
+        {"n": 200},
+        {"logit_bias": {"1": 5}},
+        {"best_of": 2, "n": 3},
+    ],
     ids=str,
 )
 def test_a_refused_field_is_named_in_param(http: httpx.Client, field: dict) -> None:

@@ -12,7 +12,7 @@ from conftest import engine_config
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Error, Event, Request, Token
+from rbee_worker.engine.types import End, Error, Event, PromptLogprobs, Request, Token
 from rbee_worker.models.loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -119,3 +119,57 @@ def test_a_cached_prefix_gives_the_tokens_that_computing_it_would(small_pool: En
     ids, end = run(small_pool, second)
     assert ids == reference[1][0]
     assert end.cached_tokens == shared // BLOCK * BLOCK
+
+
+def test_prompt_logprobs_are_transformers_own_among_preempted_requests_and_skip_the_prefix_cache(
+    small_pool: Engine, demo_hf_dir: Path
+) -> None:
+    """Four requests of 96, 90, 84 and 78 prompt tokens asking for their prompts' logprobs (the last for nothing
+    else: max_tokens 0) at once in the small pool, their prompts computed before in the same engine (so cached):
+    each prompt's logprobs, ranks and top 2 are transformers' log-softmax over one forward of the prompt (float32,
+    within 1e-4), though the prompts share forwards (padded to the longest), requests are preempted and read their
+    tokens again, and the prefix cache holds their prompts (unused: cached_tokens 0); the generating ones give their
+    solo tokens, the last none."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = small_pool
+    sizes = (96, 90, 84, 78)
+    prompts = [engine.tokenize(f"{text}. {text.lower()}, and so on. " * 5)[:size] for text, size in
+               zip(OPENINGS, sizes, strict=True)]  # fmt: skip
+    solo = [run(engine, Request(p, max_tokens=24, sampling=GREEDY, ignore_eos=True))[0] for p in prompts]
+    preempted = engine.preemptions
+    requests = [
+        Request(p, max_tokens=0 if i == 3 else 24, sampling=GREEDY, ignore_eos=True, prompt_logprobs=2)
+        for i, p in enumerate(prompts)
+    ]
+    streams: list[queue.SimpleQueue[Event]] = [queue.SimpleQueue() for _ in requests]
+    for request, events in zip(requests, streams, strict=True):
+        engine.submit(request, events.put)
+    outcomes = []
+    for events in streams:
+        received = [events.get(timeout=300)]
+        while not isinstance(received[-1], End | Error):
+            received.append(events.get(timeout=300))
+        outcomes.append(received)
+    assert engine.preemptions > preempted
+
+    model = AutoModelForCausalLM.from_pretrained(demo_hf_dir, dtype=torch.float32)
+    for i, (prompt, received) in enumerate(zip(prompts, outcomes, strict=True)):
+        [scored] = [e for e in received if isinstance(e, PromptLogprobs)]
+        assert received.index(scored) == 1  # after Started, before any token
+        end = received[-1]
+        assert isinstance(end, End) and end.cached_tokens == 0
+        assert [t for e in received if isinstance(e, Token) for t in e.token_ids] == ([] if i == 3 else solo[i])
+        with torch.no_grad():
+            reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        targets = torch.tensor(prompt[1:])
+        expected = reference.gather(1, targets[:, None]).squeeze(1)
+        assert [lp.token_id for lp in scored.logprobs] == list(prompt[1:])
+        got = torch.tensor([lp.logprob for lp in scored.logprobs])
+        assert (got - expected).abs().max() < 1e-4
+        ranks = (reference > expected[:, None]).sum(1) + 1  # far down the list near ties swap: ranks within 1%
+        assert all(abs(lp.rank - r) <= r // 100 for lp, r in zip(scored.logprobs, ranks.tolist(), strict=True))
+        assert [lp.rank for lp in scored.logprobs if lp.rank <= 10] == [r for r in ranks.tolist() if r <= 10]
+        top = reference.topk(2, dim=-1)
+        assert [[t for t, _ in lp.top] for lp in scored.logprobs] == top.indices.tolist()

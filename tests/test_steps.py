@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerFast
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.output import OutputProcessor
-from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled
+from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled, Stepped
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason, Token
 from rbee_worker.models.loaded import LoadedModel, ModelInfo
@@ -97,7 +97,7 @@ class FakeRunner:
     def release(self, row: int) -> None:
         pass
 
-    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         self._call()
         assert not (prompts and decodes) or self.kind == "mixed"
         out = []
@@ -106,14 +106,14 @@ class FakeRunner:
                 chosen = self._feed(row.row, row.blocks, token, row.start + i)
             if row.sample:
                 out.append(Sampled(self._chose(row.row, chosen), True, None))
-        return out + [Sampled(self._decode(r, r.token), True, None) for r in decodes]
+        return Stepped(out + [Sampled(self._decode(r, r.token), True, None) for r in decodes], [() for _ in prompts])
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
 
     def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Finished | Pending:
         if self.kind != "async":
-            return Finished(self.step([], decodes))
+            return Finished(self.step([], decodes).sampled)
         self._call()
         self.chained += sum(r.chained for r in decodes)
         fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.native import SSE_HEADERS, sse_data
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, StopReason, Token, TokenLogprob
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, PromptLogprobs, StopReason, Token, TokenLogprob
 
 DISCONNECT_POLL_S = 0.25
 
@@ -32,6 +32,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: End | None = None
     offset: int = 0  # where `text` starts in the whole completion (characters): for text_offset
+    prompt: tuple[TokenLogprob, ...] | None = None  # the prompt's logprobs, where asked for (Request.prompt_logprobs)
 
     def add(self, token: Token) -> None:
         self.text.append(token.text)
@@ -63,6 +64,8 @@ async def collect(jobs: Sequence[AsyncIterator[Event]], http_request: Request) -
         async for event in events:
             if isinstance(event, Token):
                 generation.add(event)
+            elif isinstance(event, PromptLogprobs):
+                generation.prompt = event.logprobs
             elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
                 generation.end = event
             elif isinstance(event, End | Error):
@@ -129,10 +132,11 @@ async def stream_chunks(
     usage_of: Callable[[list[End]], dict] | None,
     first: Callable[[int], dict] | None,
 ) -> AsyncIterator[str]:
-    """SSE chunks: `first(index)` for each choice if given, then one per piece of a choice's text (with the logprobs
-    of its tokens; `chunk` gives None for a piece with nothing to send yet), each choice's last one with its finish
-    reason; once every choice has ended, the usage if asked for, then [DONE]. A failed choice ends the stream with
-    its error; leaving early (the client disconnected) cancels the jobs."""
+    """SSE chunks: `first(index)` for each choice if given, then a choice's prompt logprobs where asked for (a piece
+    with `prompt`), then one per piece of a choice's text (with the logprobs of its tokens; `chunk` gives None for a
+    piece with nothing to send yet), each choice's last one with its finish reason; once every choice has ended, the
+    usage if asked for, then [DONE]. A failed choice ends the stream with its error; leaving early (the client
+    disconnected) cancels the jobs."""
 
     def line(payload: dict) -> str:
         if usage_of is not None:  # then every chunk has `usage`: null but the last one, as OpenAI's
@@ -155,6 +159,9 @@ async def stream_chunks(
                     if (payload := chunk(index, piece, None)) is not None:
                         yield line(payload)
                     pending[index] = Generation(offset=piece.offset + len(text))
+            elif isinstance(event, PromptLogprobs):  # a piece of its own, before the choice's text
+                if (payload := chunk(index, Generation(prompt=event.logprobs), None)) is not None:
+                    yield line(payload)
             elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
                 last = chunk(index, pending[index], event) or {}
                 assert last, "the last piece always goes out: it carries the finish reason"

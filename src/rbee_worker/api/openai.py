@@ -36,7 +36,15 @@ from rbee_worker.api.admission import (
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.choices import Generation, collect, sse_response, stream_chunks, usage
 from rbee_worker.api.native_schema import SSE_EVENT, UNAUTHORIZED
-from rbee_worker.api.openai_format import call_json, chat_logprob, completion_logprobs, delta_json
+from rbee_worker.api.openai_format import (
+    call_json,
+    chat_logprob,
+    completion_logprobs,
+    delta_json,
+    echo_logprobs,
+    joined,
+    prompt_logprobs_json,
+)
 from rbee_worker.api.openai_schema import (
     MAX_CHOICES,
     SEED_LIMIT,
@@ -110,12 +118,23 @@ def openai_router(state: WorkerState) -> APIRouter:
         # best_of ranks sequences by their tokens' logprobs, which the engine then returns (and these routes drop
         # where the request did not ask for them)
         logprobs = body.logprobs if body.samples == body.n else body.logprobs or 0
+        # The prompt's logprobs: echoed with logprobs, and vLLM's prompt_logprobs; the engine gives the most asked.
+        echo_top = body.logprobs if body.echo else None
+        prompt_top = max((k for k in (echo_top, body.prompt_logprobs) if k is not None), default=None)
+        prompts: list[tuple[int, ...]] = []
+        echoes: list[str] = []  # each prompt's text, put before its choices' with echo
 
         def build() -> list[EngineRequest]:
             check_model(state, body.model)
-            prompts = [completion_prompt(state, prompt, body.max_tokens) for prompt in body.prompts]
+            prompts.extend(completion_prompt(state, prompt, body.max_tokens) for prompt in body.prompts)
+            if body.echo:
+                echoes.extend(p if isinstance(p, str) else state.engine.detokenize(ids)
+                              for p, ids in zip(body.prompts, prompts, strict=True))  # fmt: skip
             return [
-                engine_request(state, body, ids, body.max_tokens, logprobs, http_request, "cmpl", grammar, sample)
+                dataclasses.replace(
+                    engine_request(state, body, ids, body.max_tokens, logprobs, http_request, "cmpl", grammar, sample),
+                    prompt_logprobs=prompt_top,
+                )
                 for ids in prompts
                 for sample in range(body.samples)
             ]
@@ -123,23 +142,41 @@ def openai_router(state: WorkerState) -> APIRouter:
         jobs = [job.events for job in await admit_all(state, build, http_request)]
         base = {"id": http_request.state.job_id, "created": int(time.time()), "model": state.model_name}
 
-        def choice(index: int, piece: Generation, end: End | None) -> dict:
-            text_logprobs = None if body.logprobs is None else completion_logprobs(state, piece)
+        def choice(index: int, piece: Generation, end: End | None, head: bool) -> dict:
+            """A choice's piece; `head`: the piece that begins its text, after the prompt where echoed."""
+            prompt = index // body.n  # best_of's choices are each prompt's n best, in order
+            echo = echoes[prompt] if body.echo and head else ""
+            text_logprobs = None
+            if body.logprobs is not None:
+                shift = len(echoes[prompt]) if body.echo else 0
+                text_logprobs = completion_logprobs(state, piece.logprobs, piece.offset + shift)
+                if echo_top is not None and head:
+                    assert piece.prompt is not None
+                    text_logprobs = joined(echo_logprobs(state, prompts[prompt], piece.prompt, echo_top), text_logprobs)
             finish = None if end is None else FINISH_REASONS[end.stop_reason]
-            return {"index": index, "text": "".join(piece.text), "logprobs": text_logprobs, "finish_reason": finish}
+            payload = {"index": index, "text": echo + "".join(piece.text), "logprobs": text_logprobs,
+                       "finish_reason": finish}  # fmt: skip
+            if body.prompt_logprobs is not None and piece.prompt is not None:
+                payload["prompt_logprobs"] = prompt_logprobs_json(state, piece.prompt, body.prompt_logprobs)
+            return payload
 
         def usage_of(ends: list[End]) -> dict:
             return usage(ends, per_prompt=body.samples)
 
         if body.stream:
-
+            # An echoed prompt is a chunk of its own: with logprobs once the engine has them, else at once.
             def chunk(index: int, piece: Generation, end: End | None) -> dict:
-                return {**base, "object": "text_completion", "choices": [choice(index, piece, end)]}
+                head = piece.prompt is not None
+                return {**base, "object": "text_completion", "choices": [choice(index, piece, end, head)]}
 
-            return sse_response(stream_chunks(jobs, chunk, usage_of if body.include_usage else None, first=None))
+            def echoed(index: int) -> dict:
+                return {**base, "object": "text_completion", "choices": [choice(index, Generation(), None, True)]}
+
+            first = echoed if body.echo and echo_top is None else None
+            return sse_response(stream_chunks(jobs, chunk, usage_of if body.include_usage else None, first=first))
         generations = await collect(jobs, http_request)
         kept = best_of_each(generations, body.samples, body.n)
-        choices = [choice(index, generation, generation.end) for index, generation in enumerate(kept)]
+        choices = [choice(index, generation, generation.end, True) for index, generation in enumerate(kept)]
         ends = [generation.end for generation in generations if generation.end is not None]
         return JSONResponse({**base, "object": "text_completion", "choices": choices, "usage": usage_of(ends)})
 
@@ -172,6 +209,7 @@ def openai_router(state: WorkerState) -> APIRouter:
                         state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar, sample
                     ),
                     reasoning=state.engine.reasoning,
+                    prompt_logprobs=body.prompt_logprobs,
                 )
                 for sample in range(body.n)
             ]
@@ -243,7 +281,10 @@ def openai_router(state: WorkerState) -> APIRouter:
                 }
             )
         ends = [generation.end for generation in generations if generation.end is not None]
-        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage_of(ends)})
+        response = {**base, "object": "chat.completion", "choices": choices, "usage": usage_of(ends)}
+        if body.prompt_logprobs is not None and (scored := generations[0].prompt) is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(state, scored, body.prompt_logprobs)
+        return JSONResponse(response)
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -415,12 +456,12 @@ def engine_request(
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     room = context - len(prompt_ids)
-    if room < (max_tokens or 1):
+    if room < (1 if max_tokens is None else max_tokens):
         asked = f"{len(prompt_ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")
         raise context_exceeded(context, asked, "max_tokens" if max_tokens else "messages")
     return EngineRequest(
         prompt_ids=prompt_ids,
-        max_tokens=max_tokens or room,
+        max_tokens=room if max_tokens is None else max_tokens,
         sampling=sampling_params(body),
         seed=None if body.seed is None else (body.seed + sample) % SEED_LIMIT,
         stop=body.stops,

@@ -9,7 +9,7 @@ ignored.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rbee_worker.engine.grammar import GrammarSpec
 
@@ -78,6 +78,9 @@ class GenerationFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="extension")
     ignore_eos: bool = Field(False, description="extension: generate max_tokens even past end-of-sequence")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="extension (vLLM's): each prompt token's logprob and the top N"
+    )
     response_format: ResponseFormat | None = Field(
         None, description="json_object: a JSON object; json_schema: JSON that follows the schema (both on one line)"
     )
@@ -105,6 +108,13 @@ class GenerationFields(BaseModel):
             raise ValueError("ignore_eos cannot go with a JSON response_format, which ends where the JSON does")
         return self
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, prompt_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if prompt_logprobs is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs cannot go with stream (as in vLLM); echo with logprobs streams them")
+        return prompt_logprobs
+
     @property
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # the validator made it a list
@@ -130,22 +140,15 @@ class CompletionRequest(GenerationFields):
         | Annotated[list[int], Field(min_length=1)]
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
     ) = Field(description="a text, token ids, or a batch of either: one choice (n of them) per prompt, in order")
-    max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI's")
+    max_tokens: int | None = Field(16, ge=0, description="default 16, as OpenAI's; 0: the prompt only (echo)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="also return the top N alternatives")
-    echo: bool = Field(False, description="not supported: must be false")
+    echo: bool = Field(False, description="the prompt before the completion; with logprobs, its tokens' too")
     best_of: int | None = Field(
         None, ge=1, le=MAX_CHOICES, description="sequences drawn per prompt, of which the n most likely are returned"
     )
     suffix: str | None = Field(None, description="not supported: must be empty")
 
-    # Field validators, so that the error's `param` names the field.
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
+    # A field validator, so that the error's `param` names the field.
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, suffix: str | None) -> str | None:
@@ -329,9 +332,18 @@ FinishReason = Literal["stop", "length"]
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None] = Field(description="with echo, null for the prompt's first token")
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="1 for the most likely token")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -339,6 +351,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="with prompt_logprobs: null for the first token, then by token id (vLLM's format)"
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -395,6 +410,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs: as a completion choice's")
 
 
 class ModelCard(BaseModel):

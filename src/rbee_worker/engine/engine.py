@@ -30,7 +30,7 @@ from rbee_worker.engine.grammar import Grammars
 from rbee_worker.engine.mailbox import EventStream, LoopMailbox
 from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
 from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
-from rbee_worker.engine.sampler import check_seed
+from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, check_seed
 from rbee_worker.engine.sampling import random_seed
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
 from rbee_worker.engine.step import Steps
@@ -182,8 +182,10 @@ class Engine:
         context = self.context_length
         if not request.prompt_ids:
             raise RequestError("the prompt is empty after tokenization")
-        if request.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1")
+        if request.max_tokens < 0:
+            raise RequestError("max_tokens must be at least 0")
+        if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if len(request.prompt_ids) + request.max_tokens > context:
             raise RequestError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the model's "

@@ -49,8 +49,17 @@ import torch
 from rbee_worker.engine.config import EngineConfig, default_threads
 from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.prompt_cache import PromptCache, State, common_prefix
-from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool
-from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
+from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool, score
+from rbee_worker.engine.runner import (
+    Capabilities,
+    DecodeRow,
+    Finished,
+    KvGeometry,
+    Launched,
+    PromptRow,
+    Sampled,
+    Stepped,
+)
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.models.llama_cpp_model import LlamaCppModel
@@ -252,7 +261,7 @@ class LlamaCppRunner:
 
     def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Launched:
         """The step computed at once (`chains` is False, so no sampling is ever held)."""
-        return Finished(self.step([], decodes))
+        return Finished(self.step([], decodes).sampled)
 
     def sample_held(self, launched: Launched) -> None:
         """Nothing: no step is launched with its sampling held."""
@@ -276,27 +285,37 @@ class LlamaCppRunner:
     def memory_bytes(self) -> int:
         return self.loaded.info.weight_bytes + self.kv_bytes()
 
-    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
-        """One llama_decode over prompt chunks and decode rows together; the chosen tokens of the prompt rows that
-        sample, then of the decode rows, in order."""
-        batch, n, sampled_rows = self._batch, 0, []
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
+        """One llama_decode over prompt chunks and decode rows together: the chosen tokens of the prompt rows that
+        sample, then of the decode rows, in order, and the prompt rows' targets scored. llama.cpp outputs the logits
+        of the positions flagged, in batch order: a prompt row's scored positions, then its last where it samples."""
+        batch, n, outputs = self._batch, 0, 0
+        sampled_rows: list[int] = []
+        sampled_at: list[int] = []  # each sampling row's output index
+        scored_at: list[int] = []  # each prompt row's first scored output index
         if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
             raise ValueError(f"a step of more than {self.capacity} tokens")
         for row in prompts:
             self._cut(row.row, row.start)
             last = len(row.token_ids) - 1
+            scored_at.append(outputs)
             for i, token in enumerate(row.token_ids):
-                self._put(n, token, row.start + i, row.row, row.sample and i == last)
+                flagged = i < len(row.targets) or (row.sample and i == last)
+                self._put(n, token, row.start + i, row.row, flagged)
                 n += 1
+                outputs += flagged
             if row.sample:
                 sampled_rows.append(row.row)
+                sampled_at.append(outputs - 1)
         for row in decodes:
             self._put(n, row.token, row.position, row.row, True)
             n += 1
             sampled_rows.append(row.row)
+            sampled_at.append(outputs)
+            outputs += 1
         batch.n_tokens = n
         if n == 0:
-            return []
+            return Stepped([], [])
         rows = [r.row for r in prompts] + [r.row for r in decodes]
         alone = not self._unified or (
             len(rows) == 1 and not any(held for other, held in enumerate(self._held) if other != rows[0])
@@ -311,10 +330,17 @@ class LlamaCppRunner:
             del self._held[row.row][row.position :]
             self._held[row.row].append(row.token)
             self._computed(row.row, row.position, 1, alone)
+        logits = self._logits(outputs)
+        scored = [
+            score(logits[at : at + len(row.targets)], row.targets, row.target_top) if row.targets else ()
+            for row, at in zip(prompts, scored_at, strict=True)
+        ]
         if not sampled_rows:
-            return []
-        packed = self.sampling.sample(self._logits(len(sampled_rows)), sampled_rows, [True] * len(sampled_rows))
-        return [self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)]
+            return Stepped([], scored)
+        if outputs > len(sampled_rows):  # scored positions among them: the sampling rows' logits gathered
+            logits = logits[sampled_at]
+        packed = self.sampling.sample(logits, sampled_rows, [True] * len(sampled_rows))
+        return Stepped([self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)], scored)
 
     def _computed(self, row: int, start: int, count: int, alone: bool) -> None:
         """The row's positions start..start+count-1 are computed, `alone` in the pool or not: its exact first

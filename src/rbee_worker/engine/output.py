@@ -14,7 +14,18 @@ from typing import TYPE_CHECKING, Protocol
 
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.grammar import Matcher, accept_tokens
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, Started, StopReason, Token, TokenLogprob
+from rbee_worker.engine.types import (
+    End,
+    Error,
+    ErrorCode,
+    Event,
+    PromptLogprobs,
+    Request,
+    Started,
+    StopReason,
+    Token,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from rbee_worker.engine.scheduler import Sequence
@@ -60,6 +71,7 @@ class Output:
     last_token_at: float | None = None
     undeliverable: bool = False  # an event could not be delivered: the caller is gone
     grammar: Matcher | None = None  # structured output: where the request is in its grammar
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # its prompt's, computed so far
 
 
 class GrammarRejected(RuntimeError):
@@ -101,6 +113,15 @@ class OutputProcessor:
                 result = GrammarRejected(f"the request's grammar does not allow the token chosen ({pairs[i][1]})")
             results[i] = result
         return results
+
+    def prompt_scored(self, sequence: "Sequence", start: int, scored: tuple[TokenLogprob, ...], ends: bool) -> None:
+        """The log-probabilities of the prompt's tokens after positions start.. (a chunk's; those of a chunk read
+        again after a preemption are known already); `ends`: the chunk ends the prompt, whose PromptLogprobs go out
+        (for a request that asked)."""
+        known = sequence.output.prompt_logprobs
+        known.extend(scored[len(known) - start :])
+        if ends and sequence.request.prompt_logprobs is not None:
+            send(sequence, PromptLogprobs(sequence.request_id, tuple(known)))
 
     def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:
         """A sampled token of the sequence (of a constrained one: after `advance`): EOS ends it (and is not output);

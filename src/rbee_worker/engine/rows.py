@@ -181,6 +181,27 @@ class RowSampling:
         return pack(out).tolist()
 
 
+SCORE_ROWS = 256  # positions scored at once: their float32 log-softmax stays small beside the logits
+
+
+def score(logits: torch.Tensor | np.ndarray, targets: Sequence[int], top: int) -> tuple[TokenLogprob, ...]:
+    """The log-probability of `targets[i]` under logits row i, its rank, and the `top` most likely tokens there: the
+    raw logits' log-softmax, as the sampler gives a sampled token's (before temperature and penalties)."""
+    rows = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits
+    scored: list[TokenLogprob] = []
+    for start in range(0, len(targets), SCORE_ROWS):
+        ids = torch.tensor(targets[start : start + SCORE_ROWS], device=rows.device)
+        logprobs = torch.log_softmax(rows[start : start + len(ids)].float(), dim=-1)
+        chosen = logprobs.gather(1, ids[:, None])
+        ranks = (logprobs > chosen).sum(1) + 1
+        values, indices = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], ids[:, None][:, :0])
+        for token, logprob, rank, top_ids, top_values in zip(
+            ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), indices.tolist(), values.tolist(), strict=True
+        ):
+            scored.append(TokenLogprob(token, logprob, tuple(zip(top_ids, top_values, strict=True)), rank))
+    return tuple(scored)
+
+
 def _token_rows(tokens: np.ndarray, valid: np.ndarray) -> list[list[float]]:
     """The leading (token, valid) fields of pack's layout, row by row."""
     return [[token, ok] for token, ok in zip(tokens.tolist(), valid.tolist(), strict=True)]

@@ -24,7 +24,9 @@ class PromptRow:
     """Prompt tokens fed at positions start.. of the request in batch row `row` (its sampling state; on llama.cpp its
     sequence), whose position p lives in KV block `blocks[p // block_size]`; `sample`: the chunk ends the prompt, so
     a token follows. `window_blocks`: the sliding layers' blocks, where their pool is a window's (KvGeometry.window;
-    the scratch block for positions before the request's window)."""
+    the scratch block for positions before the request's window). `targets`: the prompt's tokens after the chunk's
+    first len(targets) positions, whose log-probabilities there (and the `target_top` most likely tokens) the step
+    gives back (Stepped.scored)."""
 
     row: int
     blocks: Sequence[int]
@@ -32,6 +34,8 @@ class PromptRow:
     start: int
     sample: bool
     window_blocks: Sequence[int] = ()
+    targets: Sequence[int] = ()
+    target_top: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,15 @@ class Sampled:
     token: int
     valid: bool  # False: the logits gave no valid distribution (NaN, +inf, or every token masked)
     logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """A forward's outcome: the tokens of the prompt rows that sample, then of the decode rows, in order; for each
+    prompt row, its targets' log-probabilities (PromptRow.targets; empty where it has none)."""
+
+    sampled: list[Sampled]
+    scored: list[tuple[TokenLogprob, ...]]
 
 
 @dataclass(frozen=True)
@@ -155,9 +168,9 @@ class Runner(Protocol):
         """The request in this batch row has ended: whatever the runtime keeps for it
         beyond its blocks goes, or into the runtime's own prefix cache."""
 
-    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         """One forward, computed before it returns (prompt chunks and decode rows together only where
-        `capabilities.mixed_batches`); the tokens of the prompt rows that sample, then of the decode rows, in order."""
+        `capabilities.mixed_batches`)."""
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         """Whether a decode step over these rows may be launched while the step launched before it is not collected

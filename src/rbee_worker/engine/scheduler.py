@@ -85,6 +85,12 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.cached < self.prefill_end
 
+    @property
+    def scoring(self) -> bool:
+        """Whether its prompt's log-probabilities are asked for (Request.prompt_logprobs) and not all computed yet."""
+        prompt = len(self.request.prompt_ids)
+        return self.request.prompt_logprobs is not None and len(self.output.prompt_logprobs) < prompt - 1
+
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Its tokens [start, end): the prompt's, then the generated ones."""
         prompt = self.request.prompt_ids
@@ -108,8 +114,23 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
-        """Whether the chunk ends a prompt, so that a token follows (after a preemption the last output follows)."""
+        """Whether the chunk ends a prompt and a token follows (after a preemption the last output follows; with
+        max_tokens 0 none does)."""
+        return self.ends_prompt and self.sequence.request.max_tokens > 0
+
+    @property
+    def ends_prompt(self) -> bool:
+        """Whether the chunk computes the prompt's last token, for the first time (not again after a preemption)."""
         return not self.sequence.output_ids and self.start + self.count == self.sequence.prefill_end
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        """Where its sequence is scoring: the prompt's tokens after the chunk's positions (after its last one, but
+        for the prompt's last token, which the first output follows)."""
+        if not self.sequence.scoring:
+            return ()
+        prompt = self.sequence.request.prompt_ids
+        return prompt[self.start + 1 : min(self.start + self.count + 1, len(prompt))]
 
 
 @dataclass(frozen=True)
@@ -256,7 +277,9 @@ class Scheduler:
         """A sequence about to read its prompt takes the longest cached prefix of it (never the whole prompt: its last
         token is computed for the logits that pick the first output; and at least uniform_rows tokens are left, see
         the module docstring): whole blocks of the pool's prefix cache, or what the runtime's own cache holds
-        (Runner.reuse)."""
+        (Runner.reuse). A sequence scoring its prompt takes none: every position's logits are asked for."""
+        if sequence.scoring:
+            return
         limit = max(sequence.prefill_end - max(self.uniform_rows, 1), 0)
         if self.config.deterministic:
             limit -= limit % self.config.prefill_chunk

@@ -64,13 +64,19 @@ class Steps:
             self._collect(self._pending)
             self._pending = None
         sequences = [c.sequence for c in forward.chunks] + forward.decode
-        sampled = None
+        stepped = None
         with self._failing(sequences):
-            sampled = self.runner.step(_prompt_rows(forward.chunks), _decode_rows(forward.decode))
-        if sampled is None:
+            stepped = self.runner.step(_prompt_rows(forward.chunks), _decode_rows(forward.decode))
+        if stepped is None:
             return
+        for chunk, scored in zip(forward.chunks, stepped.scored, strict=True):
+            if scored or chunk.ends_prompt:
+                self.output.prompt_scored(chunk.sequence, chunk.start, scored, chunk.ends_prompt)
         self.scheduler.computed(forward.chunks, forward.decode)
-        self._take([c.sequence for c in forward.chunks if c.samples] + forward.decode, sampled)
+        self._take([c.sequence for c in forward.chunks if c.samples] + forward.decode, stepped.sampled)
+        for chunk in forward.chunks:  # a request for its prompt only (max_tokens 0) ends with it
+            if chunk.ends_prompt and not chunk.samples and not chunk.sequence.finished:
+                self.output.end(chunk.sequence, StopReason.MAX_TOKENS)
 
     def _decode(self, sequences: list[Sequence]) -> None:
         """One decode step, launched before the host takes the previous step's tokens where the runner allows it.
@@ -206,7 +212,10 @@ def _prompt_rows(chunks: list[Chunk]) -> list[PromptRow]:
     for chunk in chunks:
         sequence = chunk.sequence
         blocks, window = sequence.table.blocks, sequence.window_table.blocks
-        rows.append(PromptRow(sequence.row, blocks, chunk.token_ids, chunk.start, chunk.samples, window))
+        top = sequence.request.prompt_logprobs or 0
+        rows.append(
+            PromptRow(sequence.row, blocks, chunk.token_ids, chunk.start, chunk.samples, window, chunk.targets, top)
+        )
     return rows
 
 

@@ -31,6 +31,7 @@ from rbee_worker.engine.runner import (
     Launched,
     PromptRow,
     Sampled,
+    Stepped,
 )
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.torch_runner import TorchRunner, size_pool
@@ -95,9 +96,9 @@ class TensorParallelRunner:
 
     # -- forwards: on every rank -----------------------------------------------------------------------------------
 
-    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         if not (prompts or decodes):
-            return []
+            return Stepped([], [])
         return self._everywhere(Forward(prompts, decodes), lambda: self.local.step(prompts, decodes))
 
     def chains(self, decodes: list[DecodeRow]) -> bool:

@@ -35,8 +35,17 @@ from rbee_worker.engine.kv_cache import (
     prefill_mask,
     sliding_layers,
 )
-from rbee_worker.engine.rows import RowSampling, WindowLayers, kv_budget, kv_pool
-from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, Launched, PromptRow, Sampled
+from rbee_worker.engine.rows import RowSampling, WindowLayers, kv_budget, kv_pool, score
+from rbee_worker.engine.runner import (
+    Capabilities,
+    DecodeRow,
+    Finished,
+    KvGeometry,
+    Launched,
+    PromptRow,
+    Sampled,
+    Stepped,
+)
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.errors import ModelLoadError
@@ -141,13 +150,13 @@ class TorchRunner:
 
     # -- steps -----------------------------------------------------------------------------------------------------
 
-    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> list[Sampled]:
+    def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         """An eager forward over prompt chunks, or one over decode rows (never both: see `capabilities`)."""
         if prompts and decodes:
             raise ValueError("the torch runner runs prompt chunks and decode rows in separate forwards")
         if prompts:
             return self._prefill(prompts)
-        return self._decode(decodes) if decodes else []
+        return Stepped(self._decode(decodes) if decodes else [], [])
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         """On a GPU, when the step's graphs are captured, those of a held sampler too (see `launch`): capturing one
@@ -207,15 +216,20 @@ class TorchRunner:
 
     # -- forwards --------------------------------------------------------------------------------------------------
 
-    def _prefill(self, rows: list[PromptRow]) -> list[Sampled]:
-        """One forward over prompt chunks, a batch row each; the chosen tokens of the rows that sample, in order."""
+    def _prefill(self, rows: list[PromptRow]) -> Stepped:
+        """One forward over prompt chunks, a batch row each: the chosen tokens of the rows that sample, in order, and
+        the rows' targets scored. Only a forward with targets keeps every position's logits."""
         logits = self._prompt_forward(rows)
+        scored = [
+            score(logits[i, logits.shape[1] - len(row.token_ids) :], row.targets, row.target_top) if row.targets else ()
+            for i, row in enumerate(rows)
+        ]
         picked = [i for i, row in enumerate(rows) if row.sample]
         if not picked:
-            return []
+            return Stepped([], scored)
         batch_rows = [rows[i].row for i in picked]
-        packed = self.sampling.sample(logits[picked], batch_rows, [True] * len(batch_rows))
-        return [self.sampling.sampled(out, row) for out, row in zip(packed, batch_rows, strict=True)]
+        packed = self.sampling.sample(logits[picked, -1], batch_rows, [True] * len(batch_rows))
+        return Stepped([self.sampling.sampled(out, row) for out, row in zip(packed, batch_rows, strict=True)], scored)
 
     def _decode(self, rows: list[DecodeRow]) -> list[Sampled]:
         """One eager decode step over these rows; their tokens in order."""
@@ -226,15 +240,17 @@ class TorchRunner:
 
     def _prompt_forward(self, rows: list[PromptRow]) -> torch.Tensor:
         """Row b feeds rows[b].token_ids at positions rows[b].start.. of its request; rows are left-padded to the
-        longest (padding writes the scratch block), so the logits returned, one row each, follow each row's last
-        token. A single chunk from position 0 attends to its own keys and values; any other forward to the rows'
-        cached ones, gathered through their block tables."""
+        longest (padding writes the scratch block), so the logits returned, [rows, positions, vocab], end with each
+        row's last token: that position only, or all of them where a row has targets (PromptRow.targets). A single
+        chunk from position 0 attends to its own keys and values; any other forward to the rows' cached ones,
+        gathered through their block tables."""
+        every = any(r.targets for r in rows)
         for r in rows:
             self.cache.set_table(r.row, r.blocks, r.window_blocks)
         width = max(len(r.token_ids) for r in rows)
         first_chunk = len(rows) == 1 and rows[0].start == 0
-        if self.prefill_graphs and first_chunk and self.prefill_graphs.fits(width):
-            return self.prefill_graphs.run(rows[0].row, rows[0].token_ids)
+        if self.prefill_graphs and first_chunk and not every and self.prefill_graphs.fits(width):
+            return self.prefill_graphs.run(rows[0].row, rows[0].token_ids)[:, None]
         tokens, positions = [], []
         for r in rows:
             pad = width - len(r.token_ids)
@@ -248,7 +264,7 @@ class TorchRunner:
         self.cache.prepare(batch_rows, position_ids, kv_len, "new" if first_chunk else "gather")
         mask = prefill_mask([r.start for r in rows], [len(r.token_ids) for r in rows], kv_len, self.dtype, self.device)
         with torch.compiler.set_stance("force_eager") if self._eager_prompts else contextlib.nullcontext():
-            return self._forward(torch.tensor(tokens, device=self.device), position_ids, mask)
+            return self._forward(torch.tensor(tokens, device=self.device), position_ids, mask, keep=0 if every else 1)
 
     @property
     def _eager_prompts(self) -> bool:
@@ -278,27 +294,32 @@ class TorchRunner:
             self.cache.prepare(batch_rows, position_ids, 0, "paged")
             mask = torch.zeros(len(rows), 1, 1, 1, dtype=self.dtype, device=self.device)
             paged = {**self.cache.paged_tables(batch_rows), "kv_lengths": lengths.int()}
-            return self._forward(tokens, position_ids, mask, **paged)
+            return self._forward(tokens, position_ids, mask, **paged)[:, -1]
         kv_len = max(r.position + 1 for r in rows)
         self.cache.prepare(batch_rows, position_ids, kv_len, "gather")
-        return self._forward(tokens, position_ids, decode_mask(lengths, kv_len, self.dtype))
+        return self._forward(tokens, position_ids, decode_mask(lengths, kv_len, self.dtype))[:, -1]
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, **paged: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        keep: int = 1,
+        **paged: torch.Tensor,
     ) -> torch.Tensor:
-        """The model's next-token logits for each batch row: (rows, vocab). Padding positions (-1) are fed as 0; the
-        cache writes them to the scratch block."""
+        """The model's logits for each batch row's last `keep` positions (0: all of them): (rows, positions, vocab).
+        Padding positions (-1) are fed as 0; the cache writes them to the scratch block."""
         output = self.model(
             input_ids=input_ids,
             position_ids=position_ids.clamp(min=0),
             attention_mask=mask,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
             **{self.cache_kwarg: self.cache},
             **({"query_positions": position_ids} if self._sliding else {}),
             **paged,
         )
-        return output.logits[:, -1]
+        return output.logits
 
     def close(self) -> None:
         """Nothing to free by hand: torch frees the model and the cache with their last reference."""

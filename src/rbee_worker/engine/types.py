@@ -30,13 +30,15 @@ class Request:
     """One generation. `prompt_ids` is the tokenized prompt (see Engine.tokenize); text never enters the core."""
 
     prompt_ids: tuple[int, ...]
-    max_tokens: int = 2048
+    max_tokens: int = 2048  # 0: the prompt is computed (for its prompt_logprobs) and nothing is generated
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None  # None: a random seed, reported in End
     stop: tuple[str, ...] = ()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     correlation_id: str | None = None  # the caller's trace id, carried into the request's log line
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
+    # None: none; k: the log-probability of each prompt token after the first (PromptLogprobs) and the k most likely
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: CompiledGrammar | None = None  # structured output: the tokens follow it (engine/grammar.py)
     # A reasoning model's chat request (Engine.reasoning): its grammar applies only after the reasoning.
@@ -50,6 +52,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely (token id, logprob) pairs, most likely first
+    rank: int | None = None  # 1 + the tokens more likely than this one, where computed (a prompt token's)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,15 @@ class Started:
     request_id: str
     prompt_tokens: int
     seed: int
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The log-probability of each prompt token after the first, given the tokens before it (the first has none),
+    sent once the prompt is computed, before the first Token."""
+
+    request_id: str
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -95,4 +107,4 @@ class Error:
     message: str
 
 
-Event = Started | Token | End | Error
+Event = Started | PromptLogprobs | Token | End | Error
