@@ -201,6 +201,24 @@ def test_echo_scores_the_prompts_as_lm_eval_asks(client: openai.OpenAI, http: ht
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + whole.choices[0].text
 
 
+def test_logit_bias_bans_the_greedy_token_and_forces_another(client: openai.OpenAI, http: httpx.Client) -> None:
+    """-100 on the greedy first token gives another first token (with a grammar-free sampled chat too); +100 on a
+    token the model would not pick makes every token that one; a bad key is a 400 naming logit_bias."""
+    greedy = {"model": DEMO_NAME, "prompt": PROMPT, "temperature": 0, "max_tokens": 3}
+    first = http.post("/tokenize", json={"prompt": client.completions.create(**greedy).choices[0].text}).json()
+    banned = client.completions.create(**greedy, logit_bias={str(first["tokens"][0]): -100}).choices[0].text
+    assert http.post("/tokenize", json={"prompt": banned}).json()["tokens"][0] != first["tokens"][0]
+    [forced] = http.post("/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    for kind in ("greedy", "sampled"):
+        sampling = {"temperature": 0} if kind == "greedy" else {"temperature": 0.7, "top_p": 0.9, "seed": 3}
+        chat = client.chat.completions.create(model=DEMO_NAME, messages=QUESTION, max_tokens=3,
+                                              logit_bias={str(forced): 100}, **sampling)  # fmt: skip
+        assert chat.choices[0].message.content == " banana" * 3, kind
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**greedy, logit_bias={"bee": 1})
+    assert caught.value.body["param"] == "logit_bias"
+
+
 @pytest.mark.parametrize(
     ("params", "fragment"),
     [
@@ -228,7 +246,7 @@ def test_bad_parameters_raise_bad_request(client: openai.OpenAI, params: dict, f
         {"suffix": "x"},
         {"best_of": 0},
         {"n": 200},
-        {"logit_bias": {"1": 5}},
+        {"logit_bias": {"1": 101}},
         {"best_of": 2, "n": 3},
     ],
     ids=str,

@@ -496,6 +496,30 @@ def test_greedy_applies_penalties_first() -> None:
     assert step(torch.tensor([[2.0, 1.9, 0.0]]), state, SamplerFeatures.of([(params, None)])).tokens.tolist() == [1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_goes_before_the_penalties_and_bans_or_forces(device: str) -> None:
+    """Three rows in one step: one sampled with a bias (a ban, a boost, a small malus) under a repetition penalty and
+    top-p draws from the definitions' distribution over the biased, then penalized logits; a greedy row with +100 on
+    its least likely token takes it; a row without bias beside them is untouched."""
+    bias = ((3, -100.0), (5, 2.5), (0, -1.0))
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, logit_bias=bias),
+        SamplingParams(temperature=0.0, logit_bias=((int(LOGITS.argmin()), 100.0),)),
+        SamplingParams(temperature=0.8),
+    ]
+    state = make_state(params, LOGITS.size, device, prompt_ids=[5, 7])
+    logits = torch.tensor(np.stack([LOGITS] * 3), dtype=torch.float32)
+    probs = probs_of(logits, state, SamplerFeatures.of([(p, None) for p in params]))
+    biased = LOGITS.astype(np.float64).copy()
+    for token, value in bias:
+        biased[token] += value
+    penalized = penalized_reference(biased, params[0], [5, 7], [])
+    assert_same_distribution(probs[0], torch.tensor(expected_probs(penalized, 0.8, top_p=0.9), dtype=torch.float32),
+                             "biased")  # fmt: skip
+    assert probs[0, 3] == 0 and probs[1].argmax() == LOGITS.argmin() and probs[1].max() == 1
+    assert_same_distribution(probs[2], torch.tensor(expected_probs(LOGITS, 0.8), dtype=torch.float32), "unbiased")
+
+
 @pytest.mark.parametrize(
     "params",
     [

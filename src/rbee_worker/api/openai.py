@@ -455,6 +455,7 @@ def engine_request(
     context = state.engine.context_length
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
+    check_token_ids(state, [token for token, _ in body.logit_bias or ()], "logit_bias", allow_empty=True)
     room = context - len(prompt_ids)
     if room < (1 if max_tokens is None else max_tokens):
         asked = f"{len(prompt_ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")

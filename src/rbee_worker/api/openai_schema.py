@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rbee_worker.engine.grammar import GrammarSpec
+from rbee_worker.engine.sampling import MAX_LOGIT_BIAS
 
 SEED_LIMIT = 2**64
 MAX_STOP = 4
@@ -72,7 +73,11 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        validate_default=True,
+        description="token id -> bias in -100..100, added to the token's logit (-100 bans it, 100 forces it)",
+    )
     # Extensions that vLLM and llama.cpp's server accept too.
     top_k: int = Field(0, ge=0, description="extension: 0 is off")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
@@ -97,10 +102,20 @@ class GenerationFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, bias: dict[str, float] | None) -> None:
-        if bias:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _logit_bias(cls, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """As SamplingParams takes it: (token id, bias) pairs."""
+        pairs = []
+        for key, value in (bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in -100..100, got {value}")
+            pairs.append((int(key), float(value)))
+        if len({token for token, _ in pairs}) < len(pairs):
+            raise ValueError("logit_bias lists a token id twice")
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may list at most {MAX_LOGIT_BIAS} tokens")
+        return tuple(pairs)
 
     @model_validator(mode="after")
     def _grammar_ends_the_output(self) -> "GenerationFields":

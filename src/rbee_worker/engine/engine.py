@@ -184,6 +184,8 @@ class Engine:
             raise RequestError("the prompt is empty after tokenization")
         if request.max_tokens < 0:
             raise RequestError("max_tokens must be at least 0")
+        if any(token >= self.vocab_size for token, _ in request.sampling.logit_bias):
+            raise RequestError(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}")
         if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if len(request.prompt_ids) + request.max_tokens > context:

@@ -8,8 +8,8 @@ static (SamplerFeatures: a graph per value); each row's parameters and state liv
 
 A row, all on the device:
 
-1. Logits mask (structured output): disallowed tokens -> -inf. Penalties on the logits. Greedy rows take the argmax
-   (torch.max: the first maximum, i.e. the lowest id).
+1. Logits mask (structured output): disallowed tokens -> -inf. Logit bias and penalties on the logits. Greedy rows
+   take the argmax (torch.max: the first maximum, i.e. the lowest id).
 2. s = (x - max) / T <= 0, as sampling.py computes it; e = exp(s), 1 for the top token; integer weights
    w = floor(e * 2**40) (int64). Integer sums are exact in any order, so a row's draw depends neither on the batch
    around it nor on the device's reduction order. A token with e < 2**-40 (a probability below 1e-12 of the top
@@ -32,7 +32,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.sampling import MAX_LOGIT_BIAS, SamplingParams
 from rbee_worker.engine.selection import (
     FRACTION_BITS,
     block_sums,
@@ -80,7 +80,7 @@ class SamplerFeatures:
     are cheap elementwise operations, part of every sampled step."""
 
     sampling: bool = False  # some row draws at random (temperature >= GREEDY_BELOW); off: every row is greedy
-    penalties: bool = False  # some row has a repetition, presence or frequency penalty
+    penalties: bool = False  # some row has a logit bias or a repetition, presence or frequency penalty
     filters: bool = False  # some sampled row has top_p < 1 or top_k (implies `sampling`): the top-p stage
     top_k: bool = False  # some sampled row has top_k (implies `filters`): the top-k stage before top-p
     masks: bool = False  # some row has a logits mask (SamplerState.set_mask)
@@ -109,7 +109,10 @@ class SamplerFeatures:
             filters |= sampled and params.top_p < 1.0
             top_k |= sampled and params.top_k > 0
             penalties |= (
-                params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                params.repetition_penalty != 1.0
+                or params.presence_penalty != 0.0
+                or params.frequency_penalty != 0.0
+                or bool(params.logit_bias)
             )
             if logprobs is not None:
                 top_logprobs = max(top_logprobs, logprobs)
@@ -130,9 +133,10 @@ class HostViews(NamedTuple):
 
 
 class SamplerState:
-    """Per-slot sampling state in device tensors: the parameters, the 64-bit seed and draw counter, the token counts
-    for the penalties, and the logits mask. `sample` reads the rows of its slots and advances the live ones. All of it
-    is allocated here, once (a CUDA graph reads fixed addresses): about 4.1 bytes per slot and vocabulary entry."""
+    """Per-slot sampling state in device tensors: the parameters, the 64-bit seed and draw counter, the logit bias,
+    the token counts for the penalties, and the logits mask. `sample` reads the rows of its slots and advances the
+    live ones. All of it is allocated here, once (a CUDA graph reads fixed addresses): about 4.1 bytes per slot and
+    vocabulary entry, and 12 KiB per slot for the bias."""
 
     def __init__(self, slots: int, vocab_size: int, device: torch.device | str) -> None:
         if not 0 < vocab_size <= MAX_VOCAB:
@@ -152,6 +156,9 @@ class SamplerState:
         self.frequency = zeros(torch.float32)
         self.stream = zeros(torch.long)  # from the 64-bit seed: _stream(seed), see `_draw_bits`
         self.counter = zeros(torch.long)  # the slot's draws so far
+        # The logit bias, (id, bias) pairs padded with (0, 0.0), which adds nothing.
+        self.bias_ids = zeros(torch.long, MAX_LOGIT_BIAS)
+        self.bias = zeros(torch.float32, MAX_LOGIT_BIAS)
         # Generated-token counts per (slot, token), plus _IN_PROMPT for the prompt's tokens (repetition penalty).
         self.counts = zeros(torch.int32, vocab_size)
         # Allowed tokens, a bit each: word j's bit b is token 32 * j + b. All ones: no mask.
@@ -181,6 +188,14 @@ class SamplerState:
         self.frequency[slot] = params.frequency_penalty
         self.stream[slot] = _stream(torch.tensor(seed - 2**64 if seed >= 2**63 else seed))
         self.counter[slot] = 0
+        self.bias_ids[slot] = 0
+        self.bias[slot] = 0.0
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias, strict=True)
+            if max(ids) >= self.vocab_size:
+                raise ValueError(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}")
+            self.bias_ids[slot, : len(ids)] = torch.tensor(ids)
+            self.bias[slot, : len(ids)] = torch.tensor(biases)
         self.counts[slot] = 0
         if params.repetition_penalty != 1.0:
             ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
@@ -439,7 +454,7 @@ def _scores(
     top, best = _maxima(x)  # NaN propagates into the maximum
     valid = (top > -torch.inf) & (top < torch.inf)
     if features.penalties:
-        x = _penalized(x, state, slots)
+        x = _penalized(_biased(x, state, slots), state, slots)
         top, best = _maxima(x)
         valid &= top > -torch.inf
     return x, top.float(), best, valid
@@ -453,6 +468,11 @@ def _maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x.max(1)
     values = x if x.dtype == torch.float32 else x.float()  # numpy has no bfloat16; the conversion is exact
     return x.amax(1), torch.from_numpy(values.numpy().argmax(1))
+
+
+def _biased(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:
+    """The logits (float32) with each row's logit bias added (padding pairs add 0 to token 0)."""
+    return x.float().scatter_add(1, state.bias_ids[slots], state.bias[slots])
 
 
 def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 Order of operations for each generated token (the order of Hugging Face transformers' `generate`):
 
-1. Penalties on the raw logits: repetition penalty (CTRL / HF style, over the distinct prompt *and* generated ids;
+0. Logit bias (OpenAI's `logit_bias`): each listed token's bias added to its raw logit (-100 all but bans it, +100
+   all but forces it), as llama.cpp and vLLM apply it, before everything below.
+1. Penalties on the (biased) logits: repetition penalty (CTRL / HF style, over the distinct prompt *and* generated ids;
    positive logits are divided by the penalty, negative ones multiplied), then presence / frequency penalties
    (OpenAI style, over generated ids only: ``logit -= presence * (count > 0) + frequency * count``).
 2. Greedy shortcut when ``temperature < 1e-5`` (0 in the API; vLLM's threshold, below which the division overflows):
@@ -31,6 +33,7 @@ import secrets
 from dataclasses import dataclass
 
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/CTRL style over prompt AND generated ids: positive / r, negative * r
     presence_penalty: float = 0.0  # OpenAI style over generated ids only: logit -= presence * (count > 0)
     frequency_penalty: float = 0.0  # OpenAI style over generated ids only: logit -= frequency * count
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, each id once, at most MAX_LOGIT_BIAS
 
     def __post_init__(self) -> None:
         # `not (x >= 0)` also rejects NaN; the ranges are those transformers' warpers accept.
@@ -58,6 +62,13 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        ids = [token for token, _ in self.logit_bias]
+        if len(ids) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may list at most {MAX_LOGIT_BIAS} tokens, got {len(ids)}")
+        if len(set(ids)) != len(ids) or any(token < 0 for token in ids):
+            raise ValueError("logit_bias lists each token id (>= 0) once")
+        if not all(math.isfinite(bias) for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be finite")
 
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
