@@ -13,12 +13,9 @@ api/choices.py and written as OpenAI's JSON by api/openai_format.py.
 
 import dataclasses
 import time
-import uuid
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 
 from rbee_worker.api.admission import (
     AdmissionError,
@@ -28,7 +25,6 @@ from rbee_worker.api.admission import (
     Loading,
     Unhealthy,
     admit_all,
-    compile_grammar,
     ensure_open,
     off_loop,
     rendering_route,
@@ -45,9 +41,18 @@ from rbee_worker.api.openai_format import (
     joined,
     prompt_logprobs_json,
 )
+from rbee_worker.api.openai_requests import (
+    check_fits,
+    check_model,
+    check_token_ids,
+    completion_prompt,
+    engine_request,
+    render_chat,
+    response_grammar,
+    start_chat,
+)
 from rbee_worker.api.openai_schema import (
     MAX_CHOICES,
-    SEED_LIMIT,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -55,18 +60,12 @@ from rbee_worker.api.openai_schema import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    GenerationFields,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
-from rbee_worker.api.requests import sampling_params
 from rbee_worker.api.state import WorkerState
-from rbee_worker.chat.output import ChatOutput
-from rbee_worker.chat.reasoning import ReasoningSplitter, opens_reasoning_ids
-from rbee_worker.chat.tools import forced_grammar, tool_output
-from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
 from rbee_worker.engine.types import End, StopReason
 from rbee_worker.engine.types import Request as EngineRequest
 
@@ -187,44 +186,10 @@ def openai_router(state: WorkerState) -> APIRouter:
     )
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         top = (body.top_logprobs or 0) if body.logprobs else None
-        tools = body.tool_dicts
-        if body.forced_tool is not None:
-            spec = forced_grammar(tools or [], body.forced_tool, body.parallel_tool_calls)
-            grammar = await response_grammar(state, spec, "tools")
-        else:
-            grammar = await response_grammar(state, body.grammar, "response_format")
-
-        prompt_ids: tuple[int, ...] = ()
-
-        def build() -> list[EngineRequest]:
-            nonlocal prompt_ids
-            check_model(state, body.model)
-            messages = [m.for_template() for m in body.messages]
-            prompt_ids = render_chat(
-                state, messages, tools=tools, template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit
-            )
-            return [
-                dataclasses.replace(
-                    engine_request(
-                        state, body, prompt_ids, body.token_limit, top, http_request, "chatcmpl", grammar, sample
-                    ),
-                    reasoning=state.engine.reasoning,
-                    prompt_logprobs=body.prompt_logprobs,
-                )
-                for sample in range(body.n)
-            ]
-
-        jobs = [job.events for job in await admit_all(state, build, http_request)]
+        started = await start_chat(state, body, http_request, "chatcmpl")
+        jobs, outputs = started.jobs, started.outputs
         base = {"id": http_request.state.job_id, "created": int(time.time()), "model": state.model_name}
-        reasoning = state.engine.reasoning  # admitted: the engine is loaded
-        tool_format = state.engine.loaded.tool_format
-        outputs = [
-            ChatOutput(
-                tool_output(tools, body.tool_mode, tool_format, body.parallel_tool_calls),
-                None if reasoning is None else ReasoningSplitter(reasoning, opens_reasoning_ids(reasoning, prompt_ids)),
-            )
-            for _ in jobs
-        ]
+        reasoning = state.engine.reasoning
 
         def usage_of(ends: list[End]) -> dict:
             return usage(ends, body.n, None if reasoning is None else sum(o.reasoning_tokens for o in outputs))
@@ -335,17 +300,6 @@ def openai_error(exc: AdmissionError | ApiError) -> JSONResponse:
     return exc.response()
 
 
-async def response_grammar(state: WorkerState, spec: GrammarSpec | None, param: str) -> CompiledGrammar | None:
-    """The grammar of response_format or of a forced tool call compiled for the model (None: none); a schema that
-    does not compile is a 400 naming `param`."""
-    if spec is None:
-        return None
-    try:
-        return await compile_grammar(state, spec)
-    except GrammarError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param) from None
-
-
 def check_choices(body: CompletionRequest) -> None:
     """A completion's choices: best_of at least n, not streamed where it leaves choices out, and at most
     MAX_CHOICES engine requests in all."""
@@ -366,109 +320,3 @@ def best_of_each(generations: list[Generation], samples: int, n: int) -> list[Ge
         return generations
     groups = [generations[i : i + samples] for i in range(0, len(generations), samples)]
     return [g for group in groups for g in sorted(group, key=lambda g: g.cumulative_logprob, reverse=True)[:n]]
-
-
-def check_model(state: WorkerState, model: str | None) -> None:
-    """A named model must be one of this one's names (on a loaded engine: one of them is the model's own)."""
-    if model is not None and model not in state.model_names:
-        names = ", ".join(f"`{name}`" for name in state.model_names)
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist: this worker serves {names} (see GET /v1/models)",
-            kind="NotFoundError",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def completion_prompt(state: WorkerState, prompt: str | list[int], max_tokens: int | None) -> tuple[int, ...]:
-    """The token ids of one of a completion's prompts: a text, or ids."""
-    if isinstance(prompt, list):
-        return check_token_ids(state, prompt, "prompt")
-    check_fits(state, prompt, max_tokens or 1, "prompt")
-    return state.engine.tokenize(prompt)
-
-
-def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_empty: bool = False) -> tuple[int, ...]:
-    vocab = state.engine.vocab_size
-    if not ids and not allow_empty:
-        raise ApiError(400, f"{param} must not be empty", param=param)
-    if bad := [i for i in ids if not 0 <= i < vocab]:
-        raise ApiError(400, f"token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})", param=param)
-    return tuple(ids)
-
-
-def render_chat(
-    state: WorkerState,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-    *,
-    max_tokens: int | None,
-) -> tuple[int, ...]:
-    """The chat prompt's token ids; its text is refused before it is tokenized when it cannot leave room for
-    `max_tokens` (None: one token)."""
-    loaded = state.engine.loaded
-    try:
-        prompt = loaded.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)
-    # e.g. a template that demands alternating user/assistant turns, or adds text to a missing content (TypeError)
-    except (TemplateError, ValueError, TypeError) as exc:
-        raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
-    check_fits(state, prompt, 1 if max_tokens is None else max_tokens, "messages")
-    return loaded.tokenize(prompt, add_special_tokens=False)  # the template writes BOS and the other special tokens
-
-
-def check_fits(state: WorkerState, text: str, room: int, param: str) -> None:
-    """Refuse, before tokenizing it, a prompt text too long to leave `room` tokens of the context whatever its tokens
-    are (models/prompt_bound.py): a megabyte prompt is refused at once instead of after seconds of tokenizing."""
-    bound = state.engine.loaded.prompt_bound
-    if bound is None or (least := bound.least_tokens(text)) + room <= state.engine.context_length:
-        return
-    asked = f"at least {least} in the prompt" + (f" + {room} to generate" if room > 1 else "")
-    asked += f": the prompt has {bound.size(text)} {bound.unit}, and no token stands for more than {bound.per_token}"
-    raise context_exceeded(state.engine.context_length, asked, param)
-
-
-def context_exceeded(context: int, asked: str, param: str) -> ApiError:
-    return ApiError(
-        400,
-        f"This model's maximum context length is {context} tokens; the request needs more ({asked}). "
-        "Shorten the prompt or lower max_tokens.",
-        param=param,
-    )
-
-
-def engine_request(
-    state: WorkerState,
-    body: GenerationFields,
-    prompt_ids: tuple[int, ...],
-    max_tokens: int | None,
-    logprobs: int | None,
-    http_request: Request,
-    prefix: str,
-    grammar: CompiledGrammar | None,
-    sample: int = 0,
-) -> EngineRequest:
-    """The engine request of one choice; `sample`: its place among its prompt's choices, which offsets a given seed
-    (each choice draws on its own, and the first one's draws are those of a request for one choice)."""
-    context = state.engine.context_length
-    if not prompt_ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    check_token_ids(state, [token for token, _ in body.logit_bias or ()], "logit_bias", allow_empty=True)
-    room = context - len(prompt_ids)
-    if room < (1 if max_tokens is None else max_tokens):
-        asked = f"{len(prompt_ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")
-        raise context_exceeded(context, asked, "max_tokens" if max_tokens else "messages")
-    return EngineRequest(
-        prompt_ids=prompt_ids,
-        max_tokens=room if max_tokens is None else max_tokens,
-        sampling=sampling_params(body),
-        seed=None if body.seed is None else (body.seed + sample) % SEED_LIMIT,
-        stop=body.stops,
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        correlation_id=getattr(http_request.state, "correlation_id", None),
-        logprobs=logprobs,
-        ignore_eos=body.ignore_eos,
-        grammar=grammar,
-    )
