@@ -30,6 +30,7 @@ from rbee_worker.api.metrics import Metrics, metrics_router
 from rbee_worker.api.middleware import AccessLog, AuthAndCorrelation, BodyLimit, JsonBodies
 from rbee_worker.api.native import native_router
 from rbee_worker.api.openai import openai_router
+from rbee_worker.api.responses import responses_router
 from rbee_worker.api.state import WorkerState
 from rbee_worker.api.validation import json_error_message
 from rbee_worker.cli.exits import EXIT_FAILURE, exit_at_once
@@ -65,6 +66,7 @@ def build_app(state: WorkerState, metrics: Metrics) -> FastAPI:
     )
     app.include_router(native_router(state))
     app.include_router(openai_router(state))
+    app.include_router(responses_router(state))
     app.include_router(metrics_router(metrics))
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
