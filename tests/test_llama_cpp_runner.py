@@ -156,3 +156,25 @@ def test_prompt_logprobs_are_llama_cpps_own_logits(engine: Engine, demo_gguf: Pa
     expected = reference[np.arange(len(prompt) - 1), list(prompt[1:])]
     assert [lp.token_id for lp in event.logprobs] == list(prompt[1:])
     assert np.abs(np.array([lp.logprob for lp in event.logprobs]) - expected).max() < 1e-4
+
+
+def test_cache_ram_bounds_the_prompt_cache_and_0_turns_it_off(demo_gguf: Path) -> None:
+    """--cache-ram (EngineConfig.prompt_cache_bytes): a finished request's saved state goes into the host prompt cache
+    (Engine.prompt_cache_bytes reports it) and the same prompt again starts from it; with 0 nothing is kept and
+    nothing is reused."""
+    for budget in (None, 0):
+        engine = Engine(
+            lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto"), runtime="llama.cpp"),
+            engine_config(max_batch=2, threads=2, prompt_cache_bytes=budget),
+        )
+        try:
+            prompt = engine.tokenize(" ".join(PROMPTS) * 8)  # past the 64 tokens a cache hit leaves to compute
+            _, first = greedy(engine, prompt, 4)
+            _, again = greedy(engine, prompt, 4)
+            if budget is None:
+                assert engine.prompt_cache_bytes() > 0 and again.cached_tokens > 0
+            else:
+                assert engine.prompt_cache_bytes() == 0 and again.cached_tokens == 0
+            assert first.cached_tokens == 0
+        finally:
+            engine.close()

@@ -59,6 +59,7 @@ HEALTH_KEYS = {
     "weight_bytes",
     "active_weight_bytes",
     "kv_cache_bytes",
+    "prompt_cache_bytes",
     "runtime",
 }
 READY_KEYS = {

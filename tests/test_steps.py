@@ -156,6 +156,9 @@ class FakeRunner:
     def memory_bytes(self) -> int:
         return 0
 
+    def prompt_cache_bytes(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 

@@ -215,11 +215,13 @@ class EngineGauges(Collector):
         )
         memory = GaugeMetricFamily(
             "rbee:memory_bytes",
-            "Memory the model holds, by part: the weights and the KV cache (as /health reports them)",
+            "Memory the model holds, by part: the weights, the KV cache, and the host prompt cache of llama.cpp's "
+            "saved prompt states (as /health reports them)",
             labels=["model_name", "part"],
         )
         memory.add_metric([name, "weights"], engine.loaded.info.weight_bytes if engine.is_loaded else 0)
         memory.add_metric([name, "kv_cache"], engine.kv_cache_bytes())
+        memory.add_metric([name, "prompt_cache"], engine.prompt_cache_bytes())
         yield memory
         by_rank = GaugeMetricFamily(
             "rbee:rank_memory_bytes",

@@ -121,6 +121,7 @@ def native_router(state: WorkerState) -> APIRouter:
             "weight_bytes": info.weight_bytes,
             "active_weight_bytes": info.active_weight_bytes,
             "kv_cache_bytes": engine.kv_cache_bytes(),
+            "prompt_cache_bytes": engine.prompt_cache_bytes(),
             "runtime": info.runtime,
             "slots_total": engine.max_batch,
             "slots_busy": engine.running_requests,

@@ -33,6 +33,7 @@ class Health(BaseModel):
     # what one token's forward reads of them: a mixture of experts' routed experts only (a dense model's all)
     active_weight_bytes: int | None = None
     kv_cache_bytes: int | None = None  # the KV cache in memory (llama.cpp, GPU: all of it, allocated at start)
+    prompt_cache_bytes: int | None = None  # host memory of llama.cpp's saved prompt states (--cache-ram); torch: 0
     runtime: Literal["torch", "llama.cpp"] | None = None  # what runs the model (--runtime)
     slots_total: int | None = None  # --max-batch
     slots_busy: int | None = None  # jobs holding a slot (others in flight wait in the queue)

@@ -164,6 +164,15 @@ def build_parser() -> Parser:
         help="cap the context (prompt + generated tokens) below the model's own",
     )
     jobs.add_argument(
+        "--cache-ram",
+        type=bounded(float, 0.0),
+        default=None,
+        metavar="GIB",
+        help="host memory for the llama.cpp runtime's prompt cache (finished requests' saved KV states, reused by "
+        "prompts that share their prefix; as llama-server's --cache-ram); 0 turns it off (default: as much as the KV "
+        "cache, at most 8 GiB); reported in /health's prompt_cache_bytes and rbee:memory_bytes{part=prompt_cache}",
+    )
+    jobs.add_argument(
         "--kv-cache-gb",
         type=bounded(float, 0.0, low_open=True),
         default=None,

@@ -201,6 +201,7 @@ def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineCo
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+        prompt_cache_bytes=None if args.cache_ram is None else int(args.cache_ram * 2**30),
         block_size=args.block_size,
         prefix_caching=args.prefix_cache,
         cuda_graphs=args.cuda_graphs,

@@ -17,6 +17,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # the block pool's size; None: sized from the memory left after the weights
     block_size: int = 16  # token positions per KV block
     prefix_caching: bool = True  # a prompt's cached prefix (whole blocks) is reused, not computed again
+    # The host memory a runtime's own prompt cache may take (llama.cpp's saved sequence states, as llama-server's
+    # --cache-ram); None: as much as the KV pool, at most 8 GiB; 0: none.
+    prompt_cache_bytes: int | None = None
     cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
     compile_model: bool = False  # the forward through torch.compile
     threads: int | None = None  # CPU threads of the forward; None: default_threads() (on torch: its own default)
@@ -31,6 +34,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be at least 1")
         if self.block_size < 1:
             raise ValueError("block_size must be at least 1")
+        if self.prompt_cache_bytes is not None and self.prompt_cache_bytes < 0:
+            raise ValueError("prompt_cache_bytes must be at least 0")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be at least 1")
         if self.grammar_compile_timeout_s <= 0:

@@ -356,6 +356,11 @@ class Engine:
         """Bytes of KV cache in memory; 0 before the model is loaded."""
         return self._runner.kv_bytes() if self._runner is not None else 0
 
+    def prompt_cache_bytes(self) -> int:
+        """Host memory the runtime's own prompt cache holds (llama.cpp's saved sequence states); 0 before the model
+        is loaded."""
+        return self._runner.prompt_cache_bytes() if self._runner is not None else 0
+
     # -- the engine thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -74,7 +74,7 @@ DECODE_ERRORS = {
     2: "aborted",
     -1: "invalid input batch (a token id outside the vocabulary, or a position out of order)",
 }
-PROMPT_CACHE_BYTES = 8 << 30  # the most host memory saved states take (llama-server's --cache-ram default)
+PROMPT_CACHE_BYTES = 8 << 30  # the most host memory saved states take by default (llama-server's --cache-ram)
 UNIFORM_ROWS = 64  # the fewest tokens of a batch whose rows llama.cpp's CPU kernels round alike (see LlamaCppRunner)
 # llama_get_logits returning the buffer's address as an int (llama-cpp-python's binding returns a float pointer object).
 _logits_address = native._lib["llama_get_logits"]
@@ -146,7 +146,10 @@ class LlamaCppRunner:
             and not native.llama_model_is_hybrid(model.handle)
             and native.llama_model_n_swa(model.handle) == 0
         )
-        self.prompts = PromptCache(min(self.kv_bytes(), PROMPT_CACHE_BYTES) if self.reusing else 0)
+        budget = config.prompt_cache_bytes
+        if budget is None:
+            budget = min(self.kv_bytes(), PROMPT_CACHE_BYTES)
+        self.prompts = PromptCache(budget if self.reusing else 0)
         self._unified = unified
         self._held: list[list[int]] = [[] for _ in range(rows)]  # each sequence's tokens at positions 0..n-1
         # Each sequence's first positions computed with no other sequence in the pool (or restored from such): what a
@@ -284,6 +287,9 @@ class LlamaCppRunner:
 
     def memory_bytes(self) -> int:
         return self.loaded.info.weight_bytes + self.kv_bytes()
+
+    def prompt_cache_bytes(self) -> int:
+        return self.prompts.bytes
 
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         """One llama_decode over prompt chunks and decode rows together: the chosen tokens of the prompt rows that

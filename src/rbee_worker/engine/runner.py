@@ -197,6 +197,10 @@ class Runner(Protocol):
     def memory_bytes(self) -> int:
         """Device memory the model holds now: the weights and the KV cache, measured."""
 
+    def prompt_cache_bytes(self) -> int:
+        """Host memory the runtime's own prompt cache holds now (saved sequence states; 0 where the block pool is the
+        cache)."""
+
     def close(self) -> None:
         """Free what the runner holds that Python's collector does not."""
 

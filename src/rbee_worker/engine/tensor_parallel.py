@@ -143,6 +143,9 @@ class TensorParallelRunner:
         """Every rank's KV cache: rank 0's times the ranks (each holds as many blocks, for its own key/value heads)."""
         return self.local.kv_bytes() * self.ranks.world
 
+    def prompt_cache_bytes(self) -> int:
+        return self.local.prompt_cache_bytes()
+
     def memory_bytes(self) -> int:
         """Every rank's memory: rank 0's as its TorchRunner measures it, and each other rank's shard (its own figure)
         and KV cache (as rank 0's)."""

@@ -202,6 +202,10 @@ class TorchRunner:
             return f"the CUDA device fails every operation: {str(probe).splitlines()[0]}"
         return None
 
+    def prompt_cache_bytes(self) -> int:
+        """None: the block pool is the prefix cache."""
+        return 0
+
     def kv_bytes(self) -> int:
         """All of the pool on a GPU (allocated at start); on a CPU the part touched so far."""
         if self.device.type == "cuda":
