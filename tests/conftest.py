@@ -365,6 +365,7 @@ SHARED_MODULES = frozenset(
     {
         "test_access_log.py",
         "test_clients.py",
+        "test_embeddings.py",
         "test_json_bodies.py",
         "test_load.py",
         "test_openai.py",

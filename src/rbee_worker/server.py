@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rbee_worker import __version__
 from rbee_worker.api.api_error import ApiError
+from rbee_worker.api.embeddings import embeddings_router
 from rbee_worker.api.metrics import Metrics, metrics_router
 from rbee_worker.api.middleware import AccessLog, AuthAndCorrelation, BodyLimit, JsonBodies
 from rbee_worker.api.native import native_router
@@ -67,6 +68,7 @@ def build_app(state: WorkerState, metrics: Metrics) -> FastAPI:
     app.include_router(native_router(state))
     app.include_router(openai_router(state))
     app.include_router(responses_router(state))
+    app.include_router(embeddings_router(state))
     app.include_router(metrics_router(metrics))
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)

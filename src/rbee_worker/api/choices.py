@@ -18,7 +18,17 @@ from fastapi.responses import StreamingResponse
 
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.native import SSE_HEADERS, sse_data
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, PromptLogprobs, StopReason, Token, TokenLogprob
+from rbee_worker.engine.types import (
+    Embedding,
+    End,
+    Error,
+    ErrorCode,
+    Event,
+    PromptLogprobs,
+    StopReason,
+    Token,
+    TokenLogprob,
+)
 
 DISCONNECT_POLL_S = 0.25
 
@@ -33,6 +43,7 @@ class Generation:
     end: End | None = None
     offset: int = 0  # where `text` starts in the whole completion (characters): for text_offset
     prompt: tuple[TokenLogprob, ...] | None = None  # the prompt's logprobs, where asked for (Request.prompt_logprobs)
+    embedding: tuple[float, ...] | None = None  # an embedding request's (Request.embed)
 
     def add(self, token: Token) -> None:
         self.text.append(token.text)
@@ -66,6 +77,8 @@ async def collect(jobs: Sequence[AsyncIterator[Event]], http_request: Request) -
                 generation.add(event)
             elif isinstance(event, PromptLogprobs):
                 generation.prompt = event.logprobs
+            elif isinstance(event, Embedding):
+                generation.embedding = event.values
             elif isinstance(event, End) and event.stop_reason is not StopReason.CANCELLED:
                 generation.end = event
             elif isinstance(event, End | Error):

@@ -186,6 +186,10 @@ class Engine:
             raise RequestError("max_tokens must be at least 0")
         if any(token >= self.vocab_size for token, _ in request.sampling.logit_bias):
             raise RequestError(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}")
+        if request.embed and (request.max_tokens != 0 or request.grammar is not None):
+            raise RequestError("an embedding request generates nothing: max_tokens 0, no grammar")
+        if request.embed and (unsupported := self.loaded.pooling.unsupported):
+            raise RequestError(f"this model pools its embeddings by {unsupported}, which this worker does not compute")
         if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if len(request.prompt_ids) + request.max_tokens > context:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.grammar import Matcher, accept_tokens
 from rbee_worker.engine.types import (
+    Embedding,
     End,
     Error,
     ErrorCode,
@@ -28,6 +29,8 @@ from rbee_worker.engine.types import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from rbee_worker.engine.scheduler import Sequence
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Output:
     undeliverable: bool = False  # an event could not be delivered: the caller is gone
     grammar: Matcher | None = None  # structured output: where the request is in its grammar
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # its prompt's, computed so far
+    pooled: "np.ndarray | None" = None  # an embedding request's pooled hidden states so far (PromptRow.pool)
 
 
 class GrammarRejected(RuntimeError):
@@ -122,6 +126,22 @@ class OutputProcessor:
         known.extend(scored[len(known) - start :])
         if ends and sequence.request.prompt_logprobs is not None:
             send(sequence, PromptLogprobs(sequence.request_id, tuple(known)))
+
+    def pooled(
+        self, sequence: "Sequence", mode: str, start: int, count: int, pooled: "np.ndarray | None", ends: bool
+    ) -> None:
+        """What a chunk of an embedding request's prompt gave (PromptRow.pool); `ends`: the chunk ends the prompt,
+        whose Embedding goes out (the mean over its positions, or the pooled position's vector). A chunk from position
+        0 starts afresh: after a preemption the prompt is computed again from there."""
+        output = sequence.output
+        if start == 0:
+            output.pooled = None
+        if pooled is not None:
+            output.pooled = pooled if output.pooled is None or mode != "mean" else output.pooled + pooled
+        if ends:
+            assert output.pooled is not None, "a prompt's last chunk pools"
+            values = output.pooled / (start + count) if mode == "mean" else output.pooled
+            send(sequence, Embedding(sequence.request_id, tuple(values.tolist())))
 
     def token(self, sequence: "Sequence", token: int, logprob: TokenLogprob | None) -> StopReason | None:
         """A sampled token of the sequence (of a constrained one: after `advance`): EOS ends it (and is not output);

@@ -9,8 +9,10 @@ runner computes a step is its own affair; what differs between runners that the 
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
+
+import numpy as np
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.grammar import Matcher
@@ -26,7 +28,9 @@ class PromptRow:
     a token follows. `window_blocks`: the sliding layers' blocks, where their pool is a window's (KvGeometry.window;
     the scratch block for positions before the request's window). `targets`: the prompt's tokens after the chunk's
     first len(targets) positions, whose log-probabilities there (and the `target_top` most likely tokens) the step
-    gives back (Stepped.scored)."""
+    gives back (Stepped.scored). `pool`: what the step gives back of the chunk's hidden states (the decoder's last,
+    normalized as the model normalizes them), for an embedding: "mean" their sum, "last" its last position's, "cls"
+    its first position's (where the chunk starts the prompt)."""
 
     row: int
     blocks: Sequence[int]
@@ -36,6 +40,7 @@ class PromptRow:
     window_blocks: Sequence[int] = ()
     targets: Sequence[int] = ()
     target_top: int = 0
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,12 @@ class Sampled:
 @dataclass(frozen=True)
 class Stepped:
     """A forward's outcome: the tokens of the prompt rows that sample, then of the decode rows, in order; for each
-    prompt row, its targets' log-probabilities (PromptRow.targets; empty where it has none)."""
+    prompt row, its targets' log-probabilities (PromptRow.targets; empty where it has none); where a prompt row
+    pools, one float32 vector for each prompt row (PromptRow.pool; None where it does not pool)."""
 
     sampled: list[Sampled]
     scored: list[tuple[TokenLogprob, ...]]
+    pooled: list[np.ndarray | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -277,8 +277,8 @@ class Scheduler:
         """A sequence about to read its prompt takes the longest cached prefix of it (never the whole prompt: its last
         token is computed for the logits that pick the first output; and at least uniform_rows tokens are left, see
         the module docstring): whole blocks of the pool's prefix cache, or what the runtime's own cache holds
-        (Runner.reuse). A sequence scoring its prompt takes none: every position's logits are asked for."""
-        if sequence.scoring:
+        (Runner.reuse). A sequence scoring or embedding its prompt takes none: it needs every position's output."""
+        if sequence.scoring or sequence.request.embed:
             return
         limit = max(sequence.prefill_end - max(self.uniform_rows, 1), 0)
         if self.config.deterministic:

@@ -48,6 +48,7 @@ class Steps:
 
     def __init__(self, scheduler: Scheduler, runner: Runner, output: OutputProcessor) -> None:
         self.scheduler, self.runner, self.output = scheduler, runner, output
+        self.pooling = runner.loaded.pooling.mode  # what an embedding request's chunks give (PromptRow.pool)
         self._pending: _Launched | None = None
 
     def run(self, plan: Plan) -> None:
@@ -66,12 +67,15 @@ class Steps:
         sequences = [c.sequence for c in forward.chunks] + forward.decode
         stepped = None
         with self._failing(sequences):
-            stepped = self.runner.step(_prompt_rows(forward.chunks), _decode_rows(forward.decode))
+            stepped = self.runner.step(_prompt_rows(forward.chunks, self.pooling), _decode_rows(forward.decode))
         if stepped is None:
             return
         for chunk, scored in zip(forward.chunks, stepped.scored, strict=True):
             if scored or chunk.ends_prompt:
                 self.output.prompt_scored(chunk.sequence, chunk.start, scored, chunk.ends_prompt)
+        for chunk, pooled in zip(forward.chunks, stepped.pooled, strict=False):
+            if chunk.sequence.request.embed:
+                self.output.pooled(chunk.sequence, self.pooling, chunk.start, chunk.count, pooled, chunk.ends_prompt)
         self.scheduler.computed(forward.chunks, forward.decode)
         self._take([c.sequence for c in forward.chunks if c.samples] + forward.decode, stepped.sampled)
         for chunk in forward.chunks:  # a request for its prompt only (max_tokens 0) ends with it
@@ -207,14 +211,17 @@ class Steps:
                 self.output.fail(sequence, code, message)
 
 
-def _prompt_rows(chunks: list[Chunk]) -> list[PromptRow]:
+def _prompt_rows(chunks: list[Chunk], pooling: str) -> list[PromptRow]:
     rows = []
     for chunk in chunks:
         sequence = chunk.sequence
         blocks, window = sequence.table.blocks, sequence.window_table.blocks
         top = sequence.request.prompt_logprobs or 0
+        pool = pooling if sequence.request.embed else None
         rows.append(
-            PromptRow(sequence.row, blocks, chunk.token_ids, chunk.start, chunk.samples, window, chunk.targets, top)
+            PromptRow(
+                sequence.row, blocks, chunk.token_ids, chunk.start, chunk.samples, window, chunk.targets, top, pool
+            )
         )
     return rows
 

@@ -15,8 +15,9 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from rbee_worker.devices import tensor_bytes
@@ -223,17 +224,36 @@ class TorchRunner:
     def _prefill(self, rows: list[PromptRow]) -> Stepped:
         """One forward over prompt chunks, a batch row each: the chosen tokens of the rows that sample, in order, and
         the rows' targets scored. Only a forward with targets keeps every position's logits."""
-        logits = self._prompt_forward(rows)
+        hidden: list[torch.Tensor] = []
+        with self._hidden_states(hidden) if any(row.pool for row in rows) else contextlib.nullcontext():
+            logits = self._prompt_forward(rows)
+        pooled = [pooled_rows(hidden[0][i, hidden[0].shape[1] - len(row.token_ids) :], row) if row.pool else None
+                  for i, row in enumerate(rows)] if hidden else []  # fmt: skip
         scored = [
             score(logits[i, logits.shape[1] - len(row.token_ids) :], row.targets, row.target_top) if row.targets else ()
             for i, row in enumerate(rows)
         ]
         picked = [i for i, row in enumerate(rows) if row.sample]
         if not picked:
-            return Stepped([], scored)
+            return Stepped([], scored, pooled)
         batch_rows = [rows[i].row for i in picked]
         packed = self.sampling.sample(logits[picked, -1], batch_rows, [True] * len(batch_rows))
-        return Stepped([self.sampling.sampled(out, row) for out, row in zip(packed, batch_rows, strict=True)], scored)
+        sampled = [self.sampling.sampled(out, row) for out, row in zip(packed, batch_rows, strict=True)]
+        return Stepped(sampled, scored, pooled)
+
+    @contextlib.contextmanager
+    def _hidden_states(self, into: list[torch.Tensor]) -> Iterator[None]:
+        """The decoder's output (its last hidden states, after its final norm: what an embedding pools) of the forwards
+        inside, appended to `into`."""
+
+        def keep(module: torch.nn.Module, args: object, output: object) -> None:
+            into.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)  # type: ignore[attr-defined]
+
+        handle = self.model.get_decoder().register_forward_hook(keep)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _decode(self, rows: list[DecodeRow]) -> list[Sampled]:
         """One eager decode step over these rows; their tokens in order."""
@@ -249,11 +269,12 @@ class TorchRunner:
         chunk from position 0 attends to its own keys and values; any other forward to the rows' cached ones,
         gathered through their block tables."""
         every = any(r.targets for r in rows)
+        pools = any(r.pool for r in rows)
         for r in rows:
             self.cache.set_table(r.row, r.blocks, r.window_blocks)
         width = max(len(r.token_ids) for r in rows)
         first_chunk = len(rows) == 1 and rows[0].start == 0
-        if self.prefill_graphs and first_chunk and not every and self.prefill_graphs.fits(width):
+        if self.prefill_graphs and first_chunk and not (every or pools) and self.prefill_graphs.fits(width):
             return self.prefill_graphs.run(rows[0].row, rows[0].token_ids)[:, None]
         tokens, positions = [], []
         for r in rows:
@@ -416,6 +437,16 @@ class TorchRunner:
         }
         for features in stages:
             sample(logits, self.state, rows, live, features)
+
+
+def pooled_rows(hidden: torch.Tensor, row: PromptRow) -> np.ndarray | None:
+    """What a pooling prompt row gives of its hidden states [positions, hidden] (PromptRow.pool), float32 on the
+    host."""
+    if row.pool == "mean":
+        return hidden.float().sum(0).cpu().numpy()
+    if row.pool == "last":
+        return hidden[-1].float().cpu().numpy()
+    return hidden[0].float().cpu().numpy() if row.start == 0 else None
 
 
 def size_pool(loaded: LoadedModel, config: EngineConfig) -> KvGeometry:

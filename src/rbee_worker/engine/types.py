@@ -39,6 +39,8 @@ class Request:
     logprobs: int | None = None  # None: none; k: each generated token's log-probability and the k most likely
     # None: none; k: the log-probability of each prompt token after the first (PromptLogprobs) and the k most likely
     prompt_logprobs: int | None = None
+    # The prompt's embedding (Embedding, pooled as the model's config says) instead of generated text (max_tokens 0).
+    embed: bool = False
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: CompiledGrammar | None = None  # structured output: the tokens follow it (engine/grammar.py)
     # A reasoning model's chat request (Engine.reasoning): its grammar applies only after the reasoning.
@@ -69,6 +71,15 @@ class PromptLogprobs:
 
     request_id: str
     logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The prompt's hidden states pooled into one vector (LoadedModel.pooling: mean, last or first token), not
+    normalized; sent once the prompt is computed."""
+
+    request_id: str
+    values: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -107,4 +118,4 @@ class Error:
     message: str
 
 
-Event = Started | PromptLogprobs | Token | End | Error
+Event = Started | PromptLogprobs | Embedding | Token | End | Error

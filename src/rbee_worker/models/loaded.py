@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from rbee_worker.chat.tool_prompt import TemplateCaps, probe_caps, template_messages
 from rbee_worker.chat.tools import ToolFormat, tool_format
 from rbee_worker.devices import tensor_bytes
+from rbee_worker.models.pooling import Pooling, pooling_of
 from rbee_worker.models.prompt_bound import PromptBound, prompt_bound
 
 if TYPE_CHECKING:  # imports llama-cpp-python, an optional dependency
@@ -73,6 +74,11 @@ class LoadedModel:
         # The template writes BOS and the other special tokens itself, so none are added again.
         prompt = self.chat_prompt(messages, add_generation_prompt, tools, template_kwargs)
         return self.tokenize(prompt, add_special_tokens=False)
+
+    @functools.cached_property
+    def pooling(self) -> Pooling:
+        """How the model's hidden states make an embedding (models/pooling.py)."""
+        return pooling_of(self.info.path)
 
     @functools.cached_property
     def prompt_bound(self) -> PromptBound | None:
