@@ -1,6 +1,7 @@
 """Embeddings (Request.embed, POST /v1/embeddings): tiny random decoders with sentence-transformers configs (last-token
 and mean pooling, normalized) against sentence-transformers itself, through the engine in chunks beside other
-requests; and the OpenAI client against the shared demo worker (64 inputs at once, base64, refusals)."""
+requests; and the OpenAI client against the shared demo worker of each runtime (64 inputs at once, base64, refusals).
+The llama.cpp runtime against llama-cpp-python's own embeddings: tests/test_llama_cpp_runner.py."""
 
 import json
 import queue
@@ -10,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import AUTH, SHARED_TOKEN, SharedWorkers, engine_config, make_tiny_model
+from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers, engine_config, make_tiny_model
 from serving import DEMO_NAME
 
 from rbee_worker.devices import resolve_placement
@@ -82,11 +83,12 @@ def test_embeddings_equal_sentence_transformers(mode: str, tmp_path: Path, demo_
 
 
 @pytest.mark.slow
-def test_the_openai_client_embeds_64_inputs_at_once(shared_workers: SharedWorkers) -> None:
-    """The shared torch worker on the demo: 64 inputs in one request give 64 unit vectors in order, each the one its
-    text gets alone (base64, the client's default, decodes to the floats); usage counts every input's tokens; a
-    `dimensions` a non-Matryoshka model does not have and a prompt past the context are 400s naming their field."""
-    worker = shared_workers.get("torch")
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_openai_client_embeds_64_inputs_at_once(shared_workers: SharedWorkers, runtime: str) -> None:
+    """The shared worker of each runtime on the demo: 64 inputs in one request give 64 unit vectors in order, each the
+    one its text gets alone (base64, the client's default, decodes to the floats); usage counts every input's tokens;
+    a `dimensions` a non-Matryoshka model does not have and a prompt past the context are 400s naming their field."""
+    worker = shared_workers.get(runtime)
     client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key=SHARED_TOKEN, max_retries=0, timeout=120)
     texts = [f"{TEXTS[i % len(TEXTS)]} ({i})" for i in range(64)]
     batch = client.embeddings.create(model=DEMO_NAME, input=texts, encoding_format="float")
@@ -95,7 +97,8 @@ def test_the_openai_client_embeds_64_inputs_at_once(shared_workers: SharedWorker
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5) and len({v.tobytes() for v in vectors}) == 64
     for i in (0, 37):
         alone = np.array(client.embeddings.create(model=DEMO_NAME, input=texts[i]).data[0].embedding)
-        # The demo's 4-bit CPU kernels round a forward of other rows otherwise (scheduler.py, uniform_rows).
+        # The demo's 4-bit CPU kernels round a forward of other rows otherwise (scheduler.py, uniform_rows); on
+        # llama.cpp other sequences in its unified KV pool change the attention's sums.
         assert float(alone @ vectors[i]) > 0.999
     tokens = sum(
         httpx.post(f"{worker.url}/tokenize", json={"prompt": t}, headers=AUTH).json()["count"] for t in texts[:2]

@@ -13,7 +13,7 @@ from rbee_worker.benchmark.accuracy import GREEDY_TOKENS, PROMPTS
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import PromptLogprobs, Request
+from rbee_worker.engine.types import End, PromptLogprobs, Request
 from rbee_worker.models.gguf_format import read_gguf
 from rbee_worker.models.loader import load_model
 
@@ -178,3 +178,39 @@ def test_cache_ram_bounds_the_prompt_cache_and_0_turns_it_off(demo_gguf: Path) -
             assert first.cached_tokens == 0
         finally:
             engine.close()
+
+
+def test_embeddings_are_llama_cpps_own_beside_a_generation(
+    engine: Engine, demo_gguf: Path
+) -> None:
+    """Embedding requests (last-token pooling, the demo's: a generative GGUF has no pooling type) in the same
+    llama_decode as a greedy generation: each vector is llama-cpp-python's own embedding with LAST pooling (cosine
+    >= 0.9999), and the generation gives its solo tokens (with embeddings on, llama.cpp outputs every position)."""
+    import numpy as np
+
+    from rbee_worker.engine.types import Embedding
+
+    texts = [*PROMPTS, "Hi"]
+    ask = Request(engine.tokenize(PROMPTS[1]), max_tokens=12, sampling=GREEDY)
+    solo, _ = greedy(engine, ask.prompt_ids, 12)
+    streams = [queue.SimpleQueue() for _ in range(len(texts) + 1)]
+    requests = [*(Request(engine.tokenize(t), max_tokens=0, embed=True) for t in texts), ask]
+    for request, events in zip(requests, streams, strict=True):
+        engine.submit(request, events.put)
+    vectors = []
+    for events in streams[:-1]:
+        while not isinstance(event := events.get(timeout=120), Embedding):
+            pass
+        vectors.append(np.asarray(event.values))
+    tokens = []
+    while not isinstance(event := streams[-1].get(timeout=120), End):
+        tokens.extend(getattr(event, "token_ids", ()))
+    assert tokens == solo
+    llm = llama_cpp.Llama(model_path=str(demo_gguf), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_LAST,
+                          n_ctx=512, n_threads=2, verbose=False, flash_attn=True)  # fmt: skip
+    try:
+        for text, ours in zip(texts, vectors, strict=True):
+            theirs = np.asarray(llm.embed(text, normalize=False))
+            assert ours @ theirs / np.linalg.norm(ours) / np.linalg.norm(theirs) >= 0.9999, text
+    finally:
+        llm.close()

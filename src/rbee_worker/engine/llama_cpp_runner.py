@@ -125,6 +125,8 @@ class LlamaCppRunner:
         params.n_batch = params.n_ubatch = self.capacity
         params.n_threads = params.n_threads_batch = self.threads
         params.no_perf = True
+        # Embeddings (PromptRow.pool) are each output position's hidden state, pooled here as the engine asks.
+        params.pooling_type = native.LLAMA_POOLING_TYPE_NONE
         self._context = native.llama_init_from_model(model.handle, params)
         if not self._context or native.llama_n_ctx_seq(self._context) < self.kv.context:
             raise ModelLoadError(
@@ -301,12 +303,16 @@ class LlamaCppRunner:
         scored_at: list[int] = []  # each prompt row's first scored output index
         if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
             raise ValueError(f"a step of more than {self.capacity} tokens")
+        pooled_at: list[int] = []  # each prompt row's first pooled output index
+        # With embeddings on llama.cpp outputs every position of the step: every position is flagged then.
+        pools = any(row.pool for row in prompts)
         for row in prompts:
             self._cut(row.row, row.start)
             last = len(row.token_ids) - 1
             scored_at.append(outputs)
+            pooled_at.append(outputs)
             for i, token in enumerate(row.token_ids):
-                flagged = i < len(row.targets) or (row.sample and i == last)
+                flagged = pools or i < len(row.targets) or (row.sample and i == last)
                 self._put(n, token, row.start + i, row.row, flagged)
                 n += 1
                 outputs += flagged
@@ -326,8 +332,15 @@ class LlamaCppRunner:
         alone = not self._unified or (
             len(rows) == 1 and not any(held for other, held in enumerate(self._held) if other != rows[0])
         )
-        if (code := native.llama_decode(self._context, batch)) != 0:
-            raise DecodeFailed(code)
+        if pools:
+            native.llama_set_embeddings(self._context, True)
+        try:
+            if (code := native.llama_decode(self._context, batch)) != 0:
+                raise DecodeFailed(code)
+        finally:
+            if pools:
+                native.llama_set_embeddings(self._context, False)
+        pooled = [self._pooled(row, at) for row, at in zip(prompts, pooled_at, strict=True)] if pools else []
         for row in prompts:
             del self._held[row.row][row.start :]
             self._held[row.row].extend(row.token_ids)
@@ -342,11 +355,26 @@ class LlamaCppRunner:
             for row, at in zip(prompts, scored_at, strict=True)
         ]
         if not sampled_rows:
-            return Stepped([], scored)
-        if outputs > len(sampled_rows):  # scored positions among them: the sampling rows' logits gathered
+            return Stepped([], scored, pooled)
+        if outputs > len(sampled_rows):  # scored or pooled positions among them: the sampling rows' logits gathered
             logits = logits[sampled_at]
         packed = self.sampling.sample(logits, sampled_rows, [True] * len(sampled_rows))
-        return Stepped([self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)], scored)
+        sampled = [self.sampling.sampled(out, row) for out, row in zip(packed, sampled_rows, strict=True)]
+        return Stepped(sampled, scored, pooled)
+
+    def _pooled(self, row: PromptRow, at: int) -> np.ndarray | None:
+        """What a pooling row gives (PromptRow.pool) of the last llama_decode's embeddings (every position's hidden
+        state after the output norm, in batch order), its first position at output `at`; a copy."""
+        if row.pool is None:
+            return None
+        mine = [at + i for i in range(len(row.token_ids)) if _pools(row, i)]  # every position is an output
+        if not mine:
+            return None
+        width = native.llama_model_n_embd(self.model.handle)
+        address = ctypes.cast(native.llama_get_embeddings(self._context), ctypes.c_void_p).value
+        rows = np.ctypeslib.as_array((ctypes.c_float * ((mine[-1] + 1) * width)).from_address(address))
+        hidden = rows.reshape(-1, width)[mine]
+        return hidden.sum(0) if row.pool == "mean" else hidden[0].copy()
 
     def _computed(self, row: int, start: int, count: int, alone: bool) -> None:
         """The row's positions start..start+count-1 are computed, `alone` in the pool or not: its exact first
@@ -384,3 +412,12 @@ class LlamaCppRunner:
             native.llama_free(self._context)
             self._context = None
         self.model.close()
+
+
+def _pools(row: PromptRow, i: int) -> bool:
+    """Whether the row's i-th position's hidden state makes its embedding (PromptRow.pool)."""
+    if row.pool == "mean":
+        return True
+    if row.pool == "last":
+        return i == len(row.token_ids) - 1
+    return row.pool == "cls" and row.start + i == 0

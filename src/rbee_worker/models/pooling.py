@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+# llama.cpp's pooling types (a GGUF file's `<arch>.pooling_type`) this worker computes, and its names for them.
+GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
 # sentence-transformers' pooling_mode_* flags this worker computes, and its names for them.
 MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
@@ -24,12 +26,15 @@ LAST_NORMALIZED = Pooling("last", True)
 
 
 def pooling_of(path: Path) -> Pooling:
-    """The pooling of the model at `path` (a directory; a file has no sentence-transformers config)."""
-    directory = path if path.is_dir() else path.parent
+    """The pooling of the model at `path`: a directory's sentence-transformers config, a GGUF file's pooling type
+    (normalized, as llama-server normalizes)."""
+    if path.is_file():
+        return gguf_pooling(path)
+    directory = path
     modules_file = directory / "modules.json"
     config = _json(directory / "config.json") or {}
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
-    if not path.is_dir() or not modules_file.is_file():
+    if not modules_file.is_file():
         return Pooling("last", True, matryoshka)
     modules = json.loads(modules_file.read_text())
     normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
@@ -51,6 +56,18 @@ def finished(vector: np.ndarray, normalize: bool, dimensions: int | None = None)
     if normalize:
         vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
     return vector.astype(np.float32)
+
+
+def gguf_pooling(path: Path) -> Pooling:
+    from rbee_worker.models.gguf_format import read_gguf
+
+    metadata = read_gguf(path).metadata
+    kind = metadata.get(f"{metadata.get('general.architecture')}.pooling_type", 0)
+    if kind in (0, 3):  # none (a generative model) or last
+        return LAST_NORMALIZED
+    if kind in GGUF_MODES:
+        return Pooling(GGUF_MODES[kind], True)
+    return Pooling("mean", True, unsupported=f"llama.cpp's pooling type {kind}")
 
 
 def _json(path: Path) -> dict | None:
