@@ -318,3 +318,19 @@ def test_a_prompt_that_waited_for_blocks_reports_the_prefix_it_then_found() -> N
     assert shape(plan) == [[("b", 8, 1)]]  # its first 8 tokens came from the cache
     assert b.cached_prompt_tokens == 8
     assert (h.pool.queried_tokens, h.pool.hit_tokens) == (11 + 9, 8)
+
+
+def test_requests_of_the_same_prompt_wait_for_the_first_ones_blocks() -> None:
+    """Three requests of one 20-token prompt admitted together (`n` 3) in chunks of 8: the first computes it; the
+    others wait while it computes the whole blocks they could take (16 of 20 tokens: the last token is always
+    computed), then find them in the prefix cache and compute only their last block; waiting, they leave the round's
+    budget to another prompt."""
+    h = Harness(block_size=4, prefill_chunk=8)
+    first, second, third = (h.add(name, prompt=range(1, 21)) for name in ("a", "b", "c"))
+    other = h.add("d", prompt=range(50, 58))
+    assert shape(h.round()) == [[("a", 0, 8)]]
+    assert shape(h.round()) == [[("a", 8, 8)]]
+    assert shape(h.round()) == [[("a", 16, 4), ("b", 16, 4)]]
+    assert shape(h.round()) == [[("c", 16, 4), ("d", 0, 4)]]
+    assert (second.cached_prompt_tokens, third.cached_prompt_tokens, first.cached_prompt_tokens) == (16, 16, 0)
+    assert second.table.blocks[:4] == third.table.blocks[:4] == first.table.blocks[:4] and other.cached == 4

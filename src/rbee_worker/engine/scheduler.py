@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.kv_blocks import BlockPool, BlockTable
 from rbee_worker.engine.output import Output
+from rbee_worker.engine.prompt_cache import common_prefix
 from rbee_worker.engine.runner import KvGeometry
 from rbee_worker.engine.types import Request
 
@@ -249,6 +250,8 @@ class Scheduler:
         if budget < min(rows, sequence.prefill_end - sequence.cached, chunk_size):
             return None
         if not sequence.table.blocks:  # its first chunk, or its first after a preemption
+            if self._sibling_computes(sequence):
+                return None
             self._look_up(sequence)
         # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
         # that does not fit in what is left of the round's budget waits for the next round.
@@ -272,6 +275,24 @@ class Scheduler:
             sequence.cached_prompt_tokens = sequence.cached
             self.blocks.count_query(len(sequence.request.prompt_ids), sequence.cached)
         return Chunk(sequence, sequence.cached, count)
+
+    def _sibling_computes(self, sequence: Sequence) -> bool:
+        """Whether an older running request is computing the same first block of prompt (`n` choices of one prompt, a
+        batch of prompts sharing a system prompt): this one waits for its blocks to land in the prefix cache rather
+        than computing them again beside it (vLLM registers blocks as they are allocated; here as they are
+        computed)."""
+        size = self.blocks.block_size
+        prompt = sequence.request.prompt_ids
+        takes = len(prompt) - max(self.uniform_rows, 1)  # the most a cache hit gives it (see _look_up)
+        if not self.blocks.prefix_caching or takes < size or sequence.scoring or sequence.request.embed:
+            return False
+        for other in self.running:
+            if other is sequence or other.finished or not other.prefilling or not other.table.blocks:
+                continue
+            shared = min(common_prefix(other.request.prompt_ids, prompt), takes) // size * size
+            if other.cached < shared:  # it is still computing blocks this one would take
+                return True
+        return False
 
     def _look_up(self, sequence: Sequence) -> None:
         """A sequence about to read its prompt takes the longest cached prefix of it (never the whole prompt: its last
