@@ -180,9 +180,7 @@ def test_cache_ram_bounds_the_prompt_cache_and_0_turns_it_off(demo_gguf: Path) -
             engine.close()
 
 
-def test_embeddings_are_llama_cpps_own_beside_a_generation(
-    engine: Engine, demo_gguf: Path
-) -> None:
+def test_embeddings_are_llama_cpps_own_beside_a_generation(engine: Engine, demo_gguf: Path) -> None:
     """Embedding requests (last-token pooling, the demo's: a generative GGUF has no pooling type) in the same
     llama_decode as a greedy generation: each vector is llama-cpp-python's own embedding with LAST pooling (cosine
     >= 0.9999), and the generation gives its solo tokens (with embeddings on, llama.cpp outputs every position)."""

@@ -66,7 +66,7 @@ def test_refusals_and_results_by_vllms_labels(http: httpx.Client) -> None:
         assert refusals == [(503, "1"), (503, "1")], ([r.text for r in busy], http.get("/health").text)
     wait_idle(http)  # the client left: its job is cancelled (finished_reason abort)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=0)
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=3)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert http.get("/no-such-route").status_code == 404

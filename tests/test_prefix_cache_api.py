@@ -129,6 +129,7 @@ def fake_engine(**overrides: Any) -> SimpleNamespace:
         preemptions=0,
         kv_cache_usage=lambda: 0.25,
         kv_cache_bytes=lambda: 200,
+        prompt_cache_bytes=lambda: 0,
         prefix_cache_tokens=lambda: (0, 0),
         grammars=SimpleNamespace(stats=GrammarStats()),
     )

@@ -21,6 +21,7 @@ the device unusable (`Runner.fault`), `DeviceFault` propagates and the engine st
 """
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,8 +49,12 @@ class Steps:
 
     def __init__(self, scheduler: Scheduler, runner: Runner, output: OutputProcessor) -> None:
         self.scheduler, self.runner, self.output = scheduler, runner, output
-        self.pooling = runner.loaded.pooling.mode  # what an embedding request's chunks give (PromptRow.pool)
         self._pending: _Launched | None = None
+
+    @functools.cached_property
+    def pooling(self) -> str:
+        """What an embedding request's chunks give (PromptRow.pool): the model's pooling, read at the first one."""
+        return self.runner.loaded.pooling.mode
 
     def run(self, plan: Plan) -> None:
         for forward in plan.forwards:
@@ -67,15 +72,16 @@ class Steps:
         sequences = [c.sequence for c in forward.chunks] + forward.decode
         stepped = None
         with self._failing(sequences):
-            stepped = self.runner.step(_prompt_rows(forward.chunks, self.pooling), _decode_rows(forward.decode))
+            pooling = self.pooling if any(c.sequence.request.embed for c in forward.chunks) else None
+            stepped = self.runner.step(_prompt_rows(forward.chunks, pooling), _decode_rows(forward.decode))
         if stepped is None:
             return
         for chunk, scored in zip(forward.chunks, stepped.scored, strict=True):
             if scored or chunk.ends_prompt:
                 self.output.prompt_scored(chunk.sequence, chunk.start, scored, chunk.ends_prompt)
         for chunk, pooled in zip(forward.chunks, stepped.pooled, strict=False):
-            if chunk.sequence.request.embed:
-                self.output.pooled(chunk.sequence, self.pooling, chunk.start, chunk.count, pooled, chunk.ends_prompt)
+            if pooling is not None and chunk.sequence.request.embed:
+                self.output.pooled(chunk.sequence, pooling, chunk.start, chunk.count, pooled, chunk.ends_prompt)
         self.scheduler.computed(forward.chunks, forward.decode)
         self._take([c.sequence for c in forward.chunks if c.samples] + forward.decode, stepped.sampled)
         for chunk in forward.chunks:  # a request for its prompt only (max_tokens 0) ends with it
@@ -211,7 +217,7 @@ class Steps:
                 self.output.fail(sequence, code, message)
 
 
-def _prompt_rows(chunks: list[Chunk], pooling: str) -> list[PromptRow]:
+def _prompt_rows(chunks: list[Chunk], pooling: str | None) -> list[PromptRow]:
     rows = []
     for chunk in chunks:
         sequence = chunk.sequence
