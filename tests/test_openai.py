@@ -191,10 +191,11 @@ def test_echo_scores_the_prompts_as_lm_eval_asks(client: openai.OpenAI, http: ht
             logprobs.token_logprobs[1:], abs=1e-6
         )
         assert longer.text == choice.text + one.text
-        assert longer.logprobs.token_logprobs[1:-1] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-3)
-        # The plain completion's prompt may come from the prefix cache, its last tokens then computed in a forward of
-        # other rows, which the CPU's 4-bit kernels round otherwise (scheduler.py, uniform_rows).
-        assert longer.logprobs.token_logprobs[-1] == pytest.approx(one.logprobs.token_logprobs[0], abs=0.05)
+        # Another request's prompts may share a forward with other rows, or come partly from the prefix cache (the
+        # plain completion's), which the CPU's 4-bit kernels round otherwise (scheduler.py, uniform_rows): the same
+        # numbers within that rounding (tests/test_preemption.py holds float32 prompt logprobs to 1e-4).
+        assert longer.logprobs.token_logprobs[1:-1] == pytest.approx(logprobs.token_logprobs[1:], abs=0.1)
+        assert longer.logprobs.token_logprobs[-1] == pytest.approx(one.logprobs.token_logprobs[0], abs=0.1)
 
     chunks = list(client.completions.create(model=DEMO_NAME, prompt=PROMPT, echo=True, logprobs=1, temperature=0,
                                             max_tokens=4, stream=True))  # fmt: skip
