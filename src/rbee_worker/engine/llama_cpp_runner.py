@@ -300,17 +300,15 @@ class LlamaCppRunner:
         batch, n, outputs = self._batch, 0, 0
         sampled_rows: list[int] = []
         sampled_at: list[int] = []  # each sampling row's output index
-        scored_at: list[int] = []  # each prompt row's first scored output index
+        first_output: list[int] = []  # each prompt row's first output index (its scored and pooled positions')
         if sum(len(r.token_ids) for r in prompts) + len(decodes) > self.capacity:
             raise ValueError(f"a step of more than {self.capacity} tokens")
-        pooled_at: list[int] = []  # each prompt row's first pooled output index
         # With embeddings on llama.cpp outputs every position of the step: every position is flagged then.
         pools = any(row.pool for row in prompts)
         for row in prompts:
             self._cut(row.row, row.start)
             last = len(row.token_ids) - 1
-            scored_at.append(outputs)
-            pooled_at.append(outputs)
+            first_output.append(outputs)
             for i, token in enumerate(row.token_ids):
                 flagged = pools or i < len(row.targets) or (row.sample and i == last)
                 self._put(n, token, row.start + i, row.row, flagged)
@@ -340,7 +338,7 @@ class LlamaCppRunner:
         finally:
             if pools:
                 native.llama_set_embeddings(self._context, False)
-        pooled = [self._pooled(row, at) for row, at in zip(prompts, pooled_at, strict=True)] if pools else []
+        pooled = [self._pooled(row, at) for row, at in zip(prompts, first_output, strict=True)] if pools else []
         for row in prompts:
             del self._held[row.row][row.start :]
             self._held[row.row].extend(row.token_ids)
@@ -352,7 +350,7 @@ class LlamaCppRunner:
         logits = self._logits(outputs)
         scored = [
             score(logits[at : at + len(row.targets)], row.targets, row.target_top) if row.targets else ()
-            for row, at in zip(prompts, scored_at, strict=True)
+            for row, at in zip(prompts, first_output, strict=True)
         ]
         if not sampled_rows:
             return Stepped([], scored, pooled)
