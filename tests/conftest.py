@@ -143,6 +143,30 @@ def make_tiny_model(directory: Path, model_type: str, tokenizer_dir: Path, **ove
     return directory
 
 
+def make_tiny_bert(directory: Path) -> Path:
+    """A random-weight BERT encoder (fixed seed, weights spread enough that positions matter) with a WordPiece
+    tokenizer of lowercase characters and a few words, which adds [CLS] and [SEP] as BERT's does."""
+    import string
+
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    chars = string.ascii_lowercase + string.digits + ".,:;!?'()-"
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars), "bees", "honey", "the"]
+    BertTokenizerFast(vocab={token: i for i, token in enumerate(vocab)}).save_pretrained(directory)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer_dir: Path) -> dict[str, Path]:
     """Tiny random mistral and qwen2 models (GQA, untied / tied embeddings)."""

@@ -1,7 +1,8 @@
 """Embeddings (Request.embed, POST /v1/embeddings): tiny random decoders with sentence-transformers configs (last-token
 and mean pooling, normalized) against sentence-transformers itself, through the engine in chunks beside other
 requests; and the OpenAI client against the shared demo worker of each runtime (64 inputs at once, base64, refusals).
-The llama.cpp runtime against llama-cpp-python's own embeddings: tests/test_llama_cpp_runner.py."""
+A tiny BERT encoder served for embeddings only, against sentence-transformers' mean pooling. The llama.cpp runtime
+against llama-cpp-python's own embeddings: tests/test_llama_cpp_runner.py."""
 
 import json
 import queue
@@ -11,12 +12,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers, engine_config, make_tiny_model
-from serving import DEMO_NAME
+from conftest import AUTH, RUNTIMES, SHARED_TOKEN, SharedWorkers, engine_config, make_tiny_bert, make_tiny_model
+from serving import DEMO_NAME, running
 
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.types import Embedding, Request
+from rbee_worker.engine.types import Embedding, Error, Request
 from rbee_worker.models.loader import load_model
 from rbee_worker.models.pooling import finished
 
@@ -30,7 +31,8 @@ TEXTS = [
 
 def with_sentence_transformers_config(directory: Path, mode: str) -> Path:
     """The files sentence-transformers reads beside the weights: a Transformer, a Pooling (`mode`) and a Normalize
-    module; the tokenizer pads with its EOS token (sentence-transformers pads batches)."""
+    module; the tokenizer pads with its EOS token where it has no padding token (sentence-transformers pads
+    batches)."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -45,7 +47,7 @@ def with_sentence_transformers_config(directory: Path, mode: str) -> Path:
     (directory / "2_Normalize").mkdir()
     tokenizer_config = directory / "tokenizer_config.json"
     settings = json.loads(tokenizer_config.read_text())
-    settings["pad_token"] = settings.get("eos_token") or "<|endoftext|>"
+    settings["pad_token"] = settings.get("pad_token") or settings.get("eos_token") or "<|endoftext|>"
     tokenizer_config.write_text(json.dumps(settings))
     return directory
 
@@ -55,8 +57,6 @@ def test_embeddings_equal_sentence_transformers(mode: str, tmp_path: Path, demo_
     """A tiny random Llama with a sentence-transformers config: the engine's pooled embeddings (prompts in chunks of
     16 tokens, all submitted at once with a generating request beside them), normalized, are sentence-transformers'
     own (float32, cosine >= 0.9999 and within 1e-4)."""
-    from sentence_transformers import SentenceTransformer
-
     directory = make_tiny_model(tmp_path / "tiny", "llama", demo_tokenizer_dir, initializer_range=0.2)
     with_sentence_transformers_config(directory, mode)
     engine = Engine(
@@ -77,9 +77,64 @@ def test_embeddings_equal_sentence_transformers(mode: str, tmp_path: Path, demo_
     finally:
         engine.close()
     ours = np.stack([finished(np.asarray(v, dtype=np.float32), True) for v in vectors])
-    theirs = SentenceTransformer(str(directory), device="cpu").encode(TEXTS, batch_size=2)
-    cosine = (ours * theirs).sum(1) / np.linalg.norm(theirs, axis=1)
+    assert_equal_embeddings(ours, sentence_transformers_embeddings(directory, TEXTS))
+
+
+@pytest.fixture
+def tiny_bert(tmp_path: Path) -> Path:
+    """A tiny BERT with sentence-transformers' mean pooling and Normalize."""
+    return with_sentence_transformers_config(make_tiny_bert(tmp_path / "bert"), "mean")
+
+
+def sentence_transformers_embeddings(directory: Path, texts: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(directory), device="cpu").encode(texts, batch_size=2)
+
+
+def assert_equal_embeddings(ours: np.ndarray, theirs: np.ndarray) -> None:
+    cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
     assert cosine.min() >= 0.9999 and np.abs(ours - theirs).max() < 1e-4, (cosine, np.abs(ours - theirs).max())
+
+
+def test_an_encoder_embeds_whole_inputs(tiny_bert: Path) -> None:
+    """The engine on a tiny BERT (float32, CPU) with prompt chunks of 16 tokens: inputs of up to 90 tokens, submitted
+    at once, each run whole in one forward (an encoder's attention reads all of it) and batched with others where
+    they fit a round, give sentence-transformers' embeddings; a generating request is refused, naming the encoder."""
+    engine = Engine(
+        lambda: load_model(str(tiny_bert), resolve_placement("cpu", "float32")),
+        engine_config(max_batch=8, prefill_chunk=16),
+    )
+    try:
+        assert engine.loaded.info.encoder and engine.loaded.pooling.mode == "mean"
+        streams: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(4)]
+        for text, events in zip(TEXTS[:3], streams, strict=False):
+            engine.submit(Request(engine.tokenize(text), max_tokens=0, embed=True), events.put)
+        engine.submit(Request(engine.tokenize(TEXTS[1]), max_tokens=2), streams[3].put)
+        vectors = []
+        for events in streams[:3]:
+            while not isinstance(event := events.get(timeout=60), Embedding):
+                assert not isinstance(event, Error), event
+            vectors.append(finished(np.asarray(event.values, dtype=np.float32), True))
+        refusal = streams[3].get(timeout=60)
+    finally:
+        engine.close()
+    assert isinstance(refusal, Error) and "encoder" in refusal.message, refusal
+    assert_equal_embeddings(np.stack(vectors), sentence_transformers_embeddings(tiny_bert, TEXTS[:3]))
+
+
+def test_a_served_encoder_embeds_and_refuses_to_generate(tmp_path: Path, tiny_bert: Path) -> None:
+    """`serve` on the tiny BERT: the OpenAI client's embeddings are sentence-transformers'; a completion is a 400
+    that says the model is an encoder."""
+    flags = ("--model", str(tiny_bert), "--dtype", "float32", "--max-batch", "4")
+    with running(tmp_path, *flags, fork=True) as worker:
+        client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        batch = client.embeddings.create(model="bert", input=TEXTS[:3], encoding_format="float")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="bert", prompt="bees", max_tokens=2)
+    assert "encoder" in refused.value.body["message"], refused.value.body
+    ours = np.array([d.embedding for d in batch.data], dtype=np.float32)
+    assert_equal_embeddings(ours, sentence_transformers_embeddings(tiny_bert, TEXTS[:3]))
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 from cli_forks import IMPORT_TIME_ENV, CliForks
-from conftest import cli, make_tiny_model, needs_llama_cpp
+from conftest import cli, make_tiny_bert, make_tiny_model, needs_llama_cpp
 from safetensors.torch import load_file, save_file
 
 # Hide any GPU from the CLI processes so the device cases give the same answer on a CUDA machine as on this one.
@@ -279,10 +279,16 @@ def test_file_that_is_neither_directory_nor_gguf(tmp_path: Path) -> None:
 # 8: architectures in config.json
 
 
-def test_encoder_architecture_in_config(tmp_path: Path) -> None:
-    # BERT has a "causal LM" head in transformers (as a decoder part), but a BERT checkpoint cannot generate text.
-    model = write_config(tmp_path / "bert", model_type="bert", hidden_size=32, num_hidden_layers=1)
-    assert_error(generate(model), "'bert'", "causal")
+def test_encoder_generates_no_text(tmp_path: Path) -> None:
+    # An encoder (BERT) loads for embeddings only: `generate` names what it does instead.
+    model = make_tiny_bert(tmp_path / "bert")
+    assert_error(generate(model), "encoder", "embeddings")
+
+
+def test_encoder_decoder_architecture_in_config(tmp_path: Path) -> None:
+    # BART has a "causal LM" head in transformers (as a decoder part), but a BART checkpoint cannot generate alone.
+    model = write_config(tmp_path / "bart", model_type="bart", d_model=32, encoder_layers=1, decoder_layers=1)
+    assert_error(generate(model), "'bart'", "encoder-decoder")
 
 
 def test_unknown_architecture_in_config(tmp_path: Path) -> None:

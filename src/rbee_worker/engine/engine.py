@@ -186,6 +186,11 @@ class Engine:
             raise RequestError("max_tokens must be at least 0")
         if any(token >= self.vocab_size for token, _ in request.sampling.logit_bias):
             raise RequestError(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}")
+        if not request.embed and self.loaded.info.encoder:
+            raise RequestError(
+                f"{self.loaded.info.name} is an encoder model: it computes embeddings (POST /v1/embeddings) and "
+                "generates no text"
+            )
         if request.embed and (request.max_tokens != 0 or request.grammar is not None):
             raise RequestError("an embedding request generates nothing: max_tokens 0, no grammar")
         if request.embed and (unsupported := self.loaded.pooling.unsupported):
@@ -373,7 +378,12 @@ class Engine:
             runner = self._runner
             capabilities = runner.capabilities
             self._scheduler = Scheduler(
-                self.config, capabilities.mixed_batches, runner.kv, runner.reuse, capabilities.uniform_rows
+                self.config,
+                capabilities.mixed_batches,
+                runner.kv,
+                runner.reuse,
+                capabilities.uniform_rows,
+                capabilities.whole_prompts,
             )
             info = self._runner.loaded.info
             kv_bytes = self._runner.kv.request_bytes

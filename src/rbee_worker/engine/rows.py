@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from rbee_worker.engine.grammar import Matcher, fill_masks, host_bitmask
-from rbee_worker.engine.runner import KvGeometry, Sampled
+from rbee_worker.engine.runner import KvGeometry, PromptRow, Sampled
 from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, plain_on_host, sample, unpack
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import TokenLogprob
@@ -205,3 +205,27 @@ def score(logits: torch.Tensor | np.ndarray, targets: Sequence[int], top: int) -
 def _token_rows(tokens: np.ndarray, valid: np.ndarray) -> list[list[float]]:
     """The leading (token, valid) fields of pack's layout, row by row."""
     return [[token, ok] for token, ok in zip(tokens.tolist(), valid.tolist(), strict=True)]
+
+
+def pooled_rows(hidden: torch.Tensor, row: PromptRow) -> np.ndarray | None:
+    """What a pooling prompt row gives of its hidden states [positions, hidden] (PromptRow.pool), float32 on the
+    host."""
+    if row.pool == "mean":
+        return hidden.float().sum(0).cpu().numpy()
+    if row.pool == "last":
+        return hidden[-1].float().cpu().numpy()
+    return hidden[0].float().cpu().numpy() if row.start == 0 else None
+
+
+def device_fault(device: torch.device, error: BaseException) -> str | None:
+    """After a torch forward raised `error`: on a GPU, whether the device still runs work (a CUDA error such as an
+    illegal memory access leaves the context unusable, and every later call raises it again); None elsewhere, and
+    for running out of memory."""
+    if device.type != "cuda" or isinstance(error, torch.OutOfMemoryError):
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception as probe:
+        return f"the CUDA device fails every operation: {str(probe).splitlines()[0]}"
+    return None

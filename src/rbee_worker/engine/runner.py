@@ -85,6 +85,8 @@ class Capabilities:
     # The fewest rows of a forward from which each row's results no longer depend on how many rows it holds (its
     # kernels pick another product below); prompt chunks and cache hits keep to it (scheduler.py).
     uniform_rows: int = 1
+    # A prompt runs in one forward, whole (an encoder's attention reads every position of it): never in chunks.
+    whole_prompts: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,10 @@ class Runner(Protocol):
 
 def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
     """The runner of the loaded model's runtime (models/loader.py chose it)."""
+    if loaded.info.encoder:
+        from rbee_worker.engine.encoder_runner import EncoderRunner
+
+        return EncoderRunner(loaded, config)
     if loaded.info.runtime == "llama.cpp":
         from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
 

@@ -8,7 +8,9 @@ running request gets its work and the KV blocks for it from the block pool (engi
 reading its prompt gets a prompt chunk, up to `prefill_chunk` tokens in all per round (its first chunk starts after
 the longest prefix that the prefix cache holds); every other running request decodes one token. Chunks are grouped
 into forwards; a runner with mixed batches takes the round's chunks and decode rows in one forward. A long prompt
-therefore delays the others' next token by at most one chunk.
+therefore delays the others' next token by at most one chunk. A runner of `whole_prompts` (an encoder, whose
+attention reads every position of its input) gets each prompt in one chunk: in what is left of the round's budget, or
+first in a round of its own where it is longer than the budget.
 
 When the pool has too few free blocks for a request's work, the newest running request that holds blocks is
 preempted: its blocks go back to the pool, it keeps its batch row (its sampling state stays), and it reads its prompt
@@ -166,9 +168,11 @@ class Scheduler:
         kv: KvGeometry,
         reuse: Callable[[int, tuple[int, ...], int], int] | None = None,
         uniform_rows: int = 1,
+        whole_prompts: bool = False,
     ) -> None:
-        """`uniform_rows`: the runner's Capabilities.uniform_rows (see the module docstring)."""
+        """`uniform_rows`, `whole_prompts`: the runner's Capabilities (see the module docstring)."""
         self.config = config
+        self.whole_prompts = whole_prompts
         self.uniform_rows = 1 if config.deterministic else uniform_rows
         self.mixed_batches = mixed_batches and not config.deterministic
         self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
@@ -257,13 +261,16 @@ class Scheduler:
         # that does not fit in what is left of the round's budget waits for the next round.
         room = chunk_size - sequence.cached % chunk_size if self.config.deterministic else budget
         left = sequence.prefill_end - sequence.cached
-        count = min(room, left)
-        if count > budget:
+        if self.whole_prompts:  # whole: in what is left of the round's budget, or first in a round of its own
+            if left > budget < chunk_size:
+                return None
+            count = left
+        elif (count := min(room, left)) > budget:
             return None
         if 0 < left - count < rows <= left - rows:  # the prompt's last chunk is not left short of uniform_rows
             count = left - rows
         if not self._room(sequence, sequence.cached + count, settle, wait=True):
-            if self.config.deterministic:
+            if self.config.deterministic or self.whole_prompts:
                 return None
             # As much of the chunk as its blocks and the free ones hold.
             held = (len(sequence.table.blocks) + self.blocks.free_blocks) * self.blocks.block_size

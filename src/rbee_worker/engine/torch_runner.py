@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from rbee_worker.devices import tensor_bytes
@@ -36,7 +35,7 @@ from rbee_worker.engine.kv_cache import (
     prefill_mask,
     sliding_layers,
 )
-from rbee_worker.engine.rows import RowSampling, WindowLayers, kv_budget, kv_pool, score
+from rbee_worker.engine.rows import RowSampling, WindowLayers, device_fault, kv_budget, kv_pool, pooled_rows, score
 from rbee_worker.engine.runner import (
     Capabilities,
     DecodeRow,
@@ -192,16 +191,7 @@ class TorchRunner:
         return [self.sampling.sampled(row, r.row) for row, r in zip(packed, launched.rows, strict=True)]
 
     def fault(self, error: BaseException) -> str | None:
-        """On a GPU, whether the device still runs work: a CUDA error such as an illegal memory access leaves the
-        context unusable, and every later call raises it again."""
-        if self.device.type != "cuda" or isinstance(error, torch.OutOfMemoryError):
-            return None
-        try:
-            torch.cuda.synchronize(self.device)
-            torch.ones(1, device=self.device).add_(1).item()
-        except Exception as probe:
-            return f"the CUDA device fails every operation: {str(probe).splitlines()[0]}"
-        return None
+        return device_fault(self.device, error)
 
     def prompt_cache_bytes(self) -> int:
         """None: the block pool is the prefix cache."""
@@ -437,16 +427,6 @@ class TorchRunner:
         }
         for features in stages:
             sample(logits, self.state, rows, live, features)
-
-
-def pooled_rows(hidden: torch.Tensor, row: PromptRow) -> np.ndarray | None:
-    """What a pooling prompt row gives of its hidden states [positions, hidden] (PromptRow.pool), float32 on the
-    host."""
-    if row.pool == "mean":
-        return hidden.float().sum(0).cpu().numpy()
-    if row.pool == "last":
-        return hidden[-1].float().cpu().numpy()
-    return hidden[0].float().cpu().numpy() if row.start == 0 else None
 
 
 def size_pool(loaded: LoadedModel, config: EngineConfig) -> KvGeometry:

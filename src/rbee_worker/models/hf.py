@@ -13,6 +13,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_MAPPING,
 )
 
 from rbee_worker.devices import check_fits
@@ -45,11 +46,18 @@ def load_hf_directory(
     path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, quantize: str = "none"
 ) -> LoadedModel:
     """The model of a Hugging Face directory on `device` in `dtype`; with `quantize` "int8" / "int4", its decoder
-    layers' linear layers quantized after loading (the caller checks quantized_supported)."""
+    layers' linear layers quantized after loading (the caller checks quantized_supported). An encoder (BERT family)
+    loads as transformers' base model, for embeddings only."""
     config = read_config(path)
-    model_class = causal_lm_class(config, path)
+    encoder = is_encoder(config)
+    model_class = MODEL_MAPPING[type(config)] if encoder else causal_lm_class(config, path)
     shards = weight_files(path)
     shard = shard_to_load()  # a tensor-parallel rank's part alone (models/tp_loading.py), or None
+    if encoder and (quantize != "none" or shard is not None):
+        raise ModelLoadError(
+            f"{path.name} is an encoder model ({config.model_type}), which the worker serves for embeddings in its "
+            f"own dtype on one device: drop {'--quantize' if quantize != 'none' else '--tensor-parallel'}"
+        )
     weight_bytes = weight_elements(shards) * dtype.itemsize // (shard.world if shard else 1)
     check_fits(weight_bytes, device, f"the weights of {path.name}")
     progress.expect(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0, weight_bytes)
@@ -89,6 +97,7 @@ def load_hf_directory(
         "context_length": context_length_of(config),
         "eos_token_ids": eos_ids(generation_eos, config.eos_token_id, tokenizer.eos_token_id),
         "dtype": dtype,
+        "encoder": encoder,
     }
     return finish(model.to(device), tokenizer, info, device)
 
@@ -194,13 +203,23 @@ def check_layer_types(layer_types: object, config_file: Path) -> None:
         )
 
 
+def is_encoder(config: PretrainedConfig) -> bool:
+    """Whether the config is an encoder's (BERT, RoBERTa, ModernBERT, nomic-bert ...: a masked-LM family that is not
+    set up as a decoder), which the worker serves for embeddings through transformers' base model."""
+    return (
+        config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and not getattr(config, "is_encoder_decoder", False)
+        and not getattr(config, "is_decoder", False)
+        and type(config) in MODEL_MAPPING
+    )
+
+
 def causal_lm_class(config: PretrainedConfig, path: Path) -> type:
-    # Encoders such as BERT (and encoder-decoders such as BART) have a "causal LM" head in transformers for use as a
-    # decoder inside a larger model; a checkpoint trained as an encoder only produces noise through it.
-    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False)
-    if encoder and not getattr(config, "is_decoder", False):
+    # Encoder-decoders such as BART have a "causal LM" head in transformers for use as a decoder inside a larger
+    # model; a checkpoint trained as an encoder-decoder only produces noise through it.
+    if getattr(config, "is_encoder_decoder", False) and not getattr(config, "is_decoder", False):
         raise ModelLoadError(
-            f"unsupported architecture {config.model_type!r} in {path}: it is an encoder model, not a causal "
+            f"unsupported architecture {config.model_type!r} in {path}: it is an encoder-decoder model, not a causal "
             "(decoder-only) language model; use a text-generation model such as llama, mistral or qwen2"
         )
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:

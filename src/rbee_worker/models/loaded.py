@@ -32,6 +32,7 @@ class ModelInfo:
     load_seconds: float = 0.0
     runtime: str = "torch"  # what runs the forward: "torch" (model: a transformers model) or "llama.cpp"
     unrouted_bytes: int = 0  # of a mixture of experts: the expert weights that one token's forward does not read
+    encoder: bool = False  # an encoder (BERT family: attention both ways, no LM head): it embeds and generates nothing
 
     @property
     def active_weight_bytes(self) -> int:
@@ -78,7 +79,7 @@ class LoadedModel:
     @functools.cached_property
     def pooling(self) -> Pooling:
         """How the model's hidden states make an embedding (models/pooling.py)."""
-        return pooling_of(self.info.path)
+        return pooling_of(self.info.path, self.info.encoder)
 
     @functools.cached_property
     def prompt_bound(self) -> PromptBound | None:
@@ -146,7 +147,7 @@ def unrouted_bytes(model: torch.nn.Module, routed: int | None) -> int:
 def finish(model: PreTrainedModel, tokenizer, info: dict, device: torch.device) -> LoadedModel:
     """Common last step of both loaders: eval mode, measured size (and the experts a token does not read), ModelInfo."""
     model.eval()
-    if model.generation_config.pad_token_id is None:
+    if model.can_generate() and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     routed = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
     sizes = {"weight_bytes": tensor_bytes(model), "unrouted_bytes": unrouted_bytes(model, routed)}

@@ -1,6 +1,7 @@
 """How a model turns a text's hidden states into one embedding, as sentence-transformers says it beside the weights:
 `modules.json` lists a Pooling module (its `config.json`: which positions make the embedding) and maybe a Normalize
-module. A model without that config pools as vLLM pools a decoder by default: its last token, normalized."""
+module. A decoder without that config pools as vLLM pools a decoder by default (its last token, normalized), an encoder
+as sentence-transformers pools a plain transformers model (the mean of its positions)."""
 
 import json
 from dataclasses import dataclass
@@ -25,9 +26,9 @@ class Pooling:
 LAST_NORMALIZED = Pooling("last", True)
 
 
-def pooling_of(path: Path) -> Pooling:
+def pooling_of(path: Path, encoder: bool = False) -> Pooling:
     """The pooling of the model at `path`: a directory's sentence-transformers config, a GGUF file's pooling type
-    (normalized, as llama-server normalizes)."""
+    (normalized, as llama-server normalizes); `encoder`: the model is an encoder (models/loaded.py's ModelInfo)."""
     if path.is_file():
         return gguf_pooling(path)
     directory = path
@@ -35,7 +36,7 @@ def pooling_of(path: Path) -> Pooling:
     config = _json(directory / "config.json") or {}
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     if not modules_file.is_file():
-        return Pooling("last", True, matryoshka)
+        return Pooling("mean", False, matryoshka) if encoder else Pooling("last", True, matryoshka)
     modules = json.loads(modules_file.read_text())
     normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
     pooling = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
