@@ -130,7 +130,7 @@ def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(determinis
     """--max-batch 2 --max-queue 1: of 6 simultaneous jobs, 3 are admitted and finish completely, with the same text
     (--deterministic, the contract's batch invariance: without it a job that waited for a slot and ran alone can part
     from the two that ran together at a near tie, as it did on a CPU with AMX); 3 get ALL_SLOTS_BUSY with Retry-After;
-    a refused job succeeds when retried."""
+    a refused job succeeds when retried; a request of more sequences than slots and queue places is a 400."""
     client = deterministic_client
     outcomes: dict[int, httpx.Response | Stream] = {}
     barrier = threading.Barrier(6)
@@ -180,6 +180,16 @@ def test_jobs_beyond_slots_and_queue_get_503_and_nothing_else_is_lost(determinis
     assert 0 < max(usage) <= 2 * -(-(prompt_tokens + 48) // block) / (2 * MAX_CONTEXT // block), usage
     idle = client.get("/health").json()
     assert (idle["state"], idle["slots_busy"], idle["kv_cache_usage_perc"]) == ("idle", 0, 0)
+    # One request of more sequences than slots and queue places together: a 400 naming its field, not a 503 that no
+    # retry would get past.
+    for path, body, param in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 4, "max_tokens": 1}, "n"),
+        ("/v1/completions", {"prompt": ["a", "b", "c", "d"], "max_tokens": 1}, "prompt"),
+        ("/v1/embeddings", {"input": ["a", "b", "c", "d"]}, "input"),
+    ):
+        response = client.post(path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert "at most 3 at once" in response.json()["error"]["message"], response.text
 
 
 # --- health -----------------------------------------------------------------------------------------------------------

@@ -16,7 +16,13 @@ from rbee_worker.api.admission import AdmissionError, admit_all, rendering_route
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.choices import collect
 from rbee_worker.api.openai import ERRORS, openai_error
-from rbee_worker.api.openai_requests import check_fits, check_model, check_token_ids, context_exceeded
+from rbee_worker.api.openai_requests import (
+    check_capacity,
+    check_fits,
+    check_model,
+    check_token_ids,
+    context_exceeded,
+)
 from rbee_worker.api.openai_schema import MAX_CHOICES
 from rbee_worker.api.state import WorkerState
 from rbee_worker.engine.types import Request as EngineRequest
@@ -55,6 +61,7 @@ def embeddings_router(state: WorkerState) -> APIRouter:
         def build() -> list[EngineRequest]:
             nonlocal pooling
             check_model(state, body.model)
+            check_capacity(state, len(body.inputs), "input")
             pooling = state.engine.loaded.pooling
             if pooling.unsupported:
                 raise ApiError(400, f"this model pools its embeddings by {pooling.unsupported}, which this worker "

@@ -42,6 +42,7 @@ from rbee_worker.api.openai_format import (
     prompt_logprobs_json,
 )
 from rbee_worker.api.openai_requests import (
+    check_capacity,
     check_fits,
     check_model,
     check_token_ids,
@@ -125,6 +126,7 @@ def openai_router(state: WorkerState) -> APIRouter:
 
         def build() -> list[EngineRequest]:
             check_model(state, body.model)
+            check_capacity(state, body.samples * len(body.prompts), "n" if body.samples > 1 else "prompt")
             prompts.extend(completion_prompt(state, prompt, body.max_tokens) for prompt in body.prompts)
             if body.echo:
                 echoes.extend(p if isinstance(p, str) else state.engine.detokenize(ids)

@@ -47,6 +47,7 @@ async def start_chat(state: WorkerState, body: ChatCompletionRequest, http_reque
     def build() -> list[EngineRequest]:
         nonlocal prompt_ids
         check_model(state, body.model)
+        check_capacity(state, body.n, "n")
         messages = [m.for_template() for m in body.messages]
         prompt_ids = render_chat(
             state, messages, tools=tools, template_kwargs=body.chat_template_kwargs, max_tokens=body.token_limit
@@ -133,6 +134,16 @@ def render_chat(
         raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
     check_fits(state, prompt, 1 if max_tokens is None else max_tokens, "messages")
     return loaded.tokenize(prompt, add_special_tokens=False)  # the template writes BOS and the other special tokens
+
+
+def check_capacity(state: WorkerState, count: int, param: str) -> None:
+    """Refuse a request of more sequences (choices, prompts, inputs) than the engine admits at once, running and
+    queued: it would be refused as busy whatever waited before it."""
+    engine = state.engine
+    if count > (most := engine.max_batch + engine.max_queue):
+        limits = f"--max-batch {engine.max_batch} + --max-queue {engine.max_queue}"
+        message = f"{param}: the request makes {count} sequences, and this worker admits at most {most} at once"
+        raise ApiError(400, f"{message} ({limits})", param=param)
 
 
 def check_fits(state: WorkerState, text: str, room: int, param: str) -> None:
