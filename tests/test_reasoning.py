@@ -463,3 +463,31 @@ def test_reasoning_content_apart_over_http_streamed_as_not(r1_client: openai.Ope
         assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
     plain = r1_client.chat.completions.create(model=model, messages=ASK, temperature=1.0, seed=1, max_tokens=40)
     assert reasoning_of(plain.choices[0].message)  # no schema: the reasoning is split off all the same
+
+
+@pytest.mark.slow
+def test_the_responses_api_gives_the_reasoning_as_its_own_item(r1_client: openai.OpenAI) -> None:
+    """POST /v1/responses on the reasoning model: a `reasoning` item (its reasoning_text, no tags) before the message,
+    whose text follows the schema, with reasoning_tokens in usage; the same seed gives the chat's reasoning and answer;
+    streamed, the reasoning_text deltas make the same reasoning and the output_text deltas the same text."""
+    model = r1_client.models.list().data[0].id
+    text_format = {"format": {"type": "json_schema", "name": "thing", "schema": THING}}
+    common = {"model": model, "temperature": 1.0, "max_output_tokens": 200, "text": text_format}
+    extra = {"seed": 2}  # the worker's extension, as chat's
+    response = r1_client.responses.create(input=ASK[-1]["content"], **common, extra_body=extra)
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "message"], response.output
+    reasoning = response.output[0].content[0].text
+    assert reasoning and START not in reasoning and END not in reasoning
+    jsonschema.validate(json.loads(response.output_text), THING)
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    chat = r1_client.chat.completions.create(
+        model=model, messages=ASK[-1:], temperature=1.0, max_tokens=200, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": THING}},
+    )  # fmt: skip
+    assert (reasoning_of(chat.choices[0].message), chat.choices[0].message.content) == (reasoning, response.output_text)
+    events = list(r1_client.responses.create(input=ASK[-1]["content"], **common, extra_body=extra, stream=True))
+    deltas = {kind: "".join(e.delta for e in events if e.type == kind)
+              for kind in ("response.reasoning_text.delta", "response.output_text.delta")}  # fmt: skip
+    assert deltas == {"response.reasoning_text.delta": reasoning, "response.output_text.delta": response.output_text}
+    assert events[-1].type == "response.completed"
