@@ -99,3 +99,53 @@ def test_a_mixture_of_experts_gives_transformers_tokens(
     assert cached > 0 and preempted > 0
     # /health's and the ready callback's active_weight_bytes: all but the 6 of 8 experts a token is not routed to
     assert info.weight_bytes - info.active_weight_bytes == experts * (EXPERTS - ROUTED) // EXPERTS > 0
+
+
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's checkpoint form of an experts weight [E, in, out]: per output row, blocks of 32 inputs as 4-bit E2M1
+    values (two a byte, the even input in the low nibble) [E, out, in / 32, 16] and a power-of-two scale each, as
+    exponent + 127 [E, out, in / 32]: the scale puts a block's largest magnitude at or below E2M1's largest, 6."""
+    rows = weight.transpose(1, 2).reshape(*weight.shape[:1], weight.shape[2], -1, 32).float()
+    exponent = torch.ceil(torch.log2(rows.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = rows / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - FP4_VALUES).abs().argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized(
+    tmp_path: Path, prompts: list[list[int]], demo_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny gpt-oss whose checkpoint holds its experts as MXFP4 (blocks and scales, quantization_config mxfp4, as the
+    released gpt-oss models do) loads with its experts dequantized as transformers' `Mxfp4Config(dequantize=True)`
+    dequantizes them, and gives that model's greedy tokens; so even where transformers would take the `kernels`
+    package's MXFP4 kernels (fetched from the hub: here it is made to believe that package and Triton installed)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Mxfp4Config
+
+    model_type, overrides = FAMILIES["gpt_oss"]
+    directory = make_tiny_model(tmp_path, model_type, demo_tokenizer_dir, initializer_range=0.5, **overrides)
+    weights = load_file(directory / "model.safetensors")
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = mxfp4(weights.pop(name))
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    skipped = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": skipped}
+    (directory / "config.json").write_text(json.dumps(config))
+    expected = reference(directory, prompts[0], quantization_config=Mxfp4Config(dequantize=True))
+    from transformers.quantizers import quantizer_mxfp4
+
+    monkeypatch.setattr(quantizer_mxfp4, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(quantizer_mxfp4, "is_triton_available", lambda *version: True)
+    engine = Engine(lambda: load_model(str(directory), resolve_placement("cpu", "float32")), engine_config(max_batch=2))
+    try:
+        tokens, _ = greedy(engine, prompts[0], NEW_TOKENS)
+    finally:
+        engine.close()
+    assert tokens == expected

@@ -79,6 +79,7 @@ def load_hf_directory(
                     device_map={"": device} if device.type != "cpu" else None,
                     ignore_mismatched_sizes=True,
                     output_loading_info=True,
+                    **dequantized(config),
                 )
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(f"not enough memory on {device} to load {path.name}; use a smaller model") from exc
@@ -100,6 +101,20 @@ def load_hf_directory(
         "encoder": encoder,
     }
     return finish(model.to(device), tokenizer, info, device)
+
+
+def dequantized(config: PretrainedConfig) -> dict[str, object]:
+    """from_pretrained's arguments for a checkpoint whose weights are stored quantized: gpt-oss's MXFP4 experts
+    (4-bit values in blocks of 32 with a power-of-two scale each) dequantized to the load dtype as they are read, by
+    transformers' own conversion, rather than run through the `kernels` package's MXFP4 kernels, which it fetches from
+    the Hugging Face hub (never at run time here) and which the fused experts would not use. --quantize int4 / int8
+    quantizes the dequantized experts again."""
+    method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+    if method != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def read_generation_eos(path: Path) -> int | list[int] | None:

@@ -64,6 +64,12 @@ class LlamaCppModel:
             self.handle = None
 
 
+# llama.cpp's encoder architectures (attention both ways over a whole input; embeddings only).
+GGUF_ENCODERS = frozenset(
+    {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert"}
+)
+
+
 def load_llama_cpp(path: Path, device: torch.device, progress: LoadProgress) -> LoadedModel:
     """The GGUF file's model on llama.cpp (all layers on the GPU for `mps`, none elsewhere), with the worker's own
     tokenizer and facts about the file. Weights' bytes are llama.cpp's (llama_model_size)."""
@@ -72,6 +78,11 @@ def load_llama_cpp(path: Path, device: torch.device, progress: LoadProgress) -> 
     file = read_gguf(path)
     meta = file.metadata
     arch = meta.get("general.architecture")
+    if arch in GGUF_ENCODERS:
+        raise ModelLoadError(
+            f"{path.name} (GGUF architecture {arch!r}) is an encoder, which the llama.cpp runtime does not serve: "
+            "serve the model's Hugging Face directory (embeddings on the torch runtime)"
+        )
     try:
         tokenizer = build_tokenizer(meta)
     except ModelLoadError as exc:
