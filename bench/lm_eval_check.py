@@ -86,15 +86,15 @@ def main() -> None:
         "greedy_flags_equal": all(bool(r[1]) == bool(o[1]) for r, o in pairs),
         "acc": {
             name: results["results"]["rbee_mc"]["acc,none"] for name, results in (("hf", reference), ("worker", served))
-        },  # fmt: skip
+        },
         "acc_norm": {
             name: results["results"]["rbee_mc"]["acc_norm,none"]
             for name, results in (("hf", reference), ("worker", served))
-        },  # fmt: skip
+        },
         "exact_match": {
             name: results["results"]["rbee_gen"]["exact_match,none"]
             for name, results in (("hf", reference), ("worker", served))
-        },  # fmt: skip
+        },
         "answers_equal": responses(reference, "rbee_gen") == responses(served, "rbee_gen"),
         "answers": {"hf": responses(reference, "rbee_gen"), "worker": responses(served, "rbee_gen")},
     }
