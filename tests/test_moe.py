@@ -1,6 +1,7 @@
 """Mixtures of experts on the torch runtime, each family transformers has, against transformers' own `generate` on the
 same tiny random-weight model (float32, greedy): 8 experts, 2 routed per token (DeepSeek-V3's group-limited routing
-and shared expert, Qwen2-MoE's shared expert, gpt-oss's biased experts with its windows and sinks), weights spread
+and shared expert, Qwen2-MoE's shared expert, gpt-oss's biased experts with its windows and sinks, Llama 4's
+sigmoid-scored experts before a shared one), weights spread
 so that the routing varies from token to token. Each family alone, then four requests at once (two prompts twice:
 the second of each reads the first's cached blocks, and the batch's tokens go to most of the experts) in a KV pool
 where two requests fit, so that the newer ones are preempted and compute their keys again."""
@@ -30,6 +31,14 @@ FAMILIES = {
     "gpt_oss": (
         "gpt_oss", {"num_local_experts": EXPERTS, "num_experts_per_tok": ROUTED, "head_dim": 16, "sliding_window": 8}
     ),
+    # Llama 4's text model without its chunked attention (which the torch runtime refuses, naming it)
+    "llama4_text": (
+        "llama4_text",
+        {
+            "num_local_experts": EXPERTS, "num_experts_per_tok": ROUTED, "head_dim": 16, "intermediate_size": 32,
+            "intermediate_size_mlp": 64, "attention_chunk_size": None, "interleave_moe_layer_step": 1,
+        },
+    ),
     "deepseek_v3": (
         "deepseek_v3",
         {
@@ -53,7 +62,8 @@ def prompts(demo_tokenizer_dir: Path) -> list[list[int]]:
 
 def routed_experts(directory: Path, prompt_ids: list[list[int]]) -> set[int]:
     """The experts that transformers' forward of these prompts (one batch, right-padded) routes tokens to, in every
-    mixture-of-experts layer (an experts module's second argument: each token's routed experts)."""
+    mixture-of-experts layer (an experts module's second argument: each token's routed experts; Llama 4's experts
+    take every token, weighted by its router's scores, 0 where it is not routed)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -63,8 +73,13 @@ def routed_experts(directory: Path, prompt_ids: list[list[int]]) -> set[int]:
         index = args[1] if len(args) > 1 else next(iter(v for k, v in kwargs.items() if "ind" in k))
         seen.update(index.flatten().tolist())
 
+    def record_scores(module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        seen.update(output[0].nonzero()[:, 1].tolist())
+
     for module in model.modules():
-        if type(module).__name__.endswith("Experts"):
+        if type(module).__name__ == "Llama4Router":
+            module.register_forward_hook(record_scores)
+        elif type(module).__name__.endswith("Experts") and type(module).__name__ != "Llama4TextExperts":
             module.register_forward_pre_hook(record, with_kwargs=True)
     width = max(len(ids) for ids in prompt_ids)
     batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in prompt_ids])
