@@ -155,7 +155,12 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
             config.runtime,
         )
 
-    ranks = start_ranks(config) if config.tensor_parallel > 1 else None
+    if config.tensor_parallel > 1:
+        from rbee_worker.engine.tp_ranks import start_ranks  # torch.distributed: imported where it is used
+
+        ranks = start_ranks(config)
+    else:
+        ranks = None
     if ranks is None:
         engine = Engine(load, config.engine, observer=metrics)
     else:
@@ -325,28 +330,6 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
         engine.close()
     if failures:
         raise failures[0]
-
-
-def start_ranks(config: WorkerConfig) -> "Ranks":
-    """Under --tensor-parallel N: this node's other ranks started now (engine/tp_ranks.py), so that they load
-    while this process, rank 0, loads; the other nodes' ranks join at the rendezvous."""
-    from rbee_worker.engine.tp_messages import Topology
-    from rbee_worker.engine.tp_ranks import Ranks, free_port
-
-    port = config.master_port or free_port(config.master_addr)
-    topology = Topology(
-        config.tensor_parallel, f"tcp://{config.master_addr}:{port}", config.nnodes, config.node_rank, config.devices
-    )
-    return Ranks(
-        topology,
-        config.placement,
-        config.model,
-        config.quantize,
-        config.max_context,
-        config.engine.threads,
-        config.log_level,
-        config.log_format,
-    )
 
 
 def rank_memory(engine: Engine, ranks: "Ranks | None") -> Callable[[], list[tuple[str, int]]]:

@@ -12,6 +12,7 @@ from rbee_worker.cli.choices import check_runtime_flags, compile_model, quantize
 from rbee_worker.cli.exits import EXIT_USAGE, exit_at_once, fail
 
 if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
+    from rbee_worker.config import WorkerConfig
     from rbee_worker.devices import Placement
     from rbee_worker.engine.config import EngineConfig
 
@@ -40,7 +41,6 @@ def run_serve(args: argparse.Namespace) -> int:
     # through SystemExit: raised in the middle of an import, transformers' lazy modules turn it into an import error.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: exit_at_once(0))
-    from rbee_worker.config import WorkerConfig
     from rbee_worker.models.loader import check_runtime
     from rbee_worker.server import serve
 
@@ -48,13 +48,29 @@ def run_serve(args: argparse.Namespace) -> int:
     check_runtime(args.runtime, placement.device)
     if args.tensor_parallel > 1:
         check_tensor_parallel(args, placement)
-    runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
-    config = WorkerConfig(
+    config = worker_config(args, placement, devices, token, chat_template)
+    serve(config, sock)
+    # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
+    # during which it restores the default signal handlers: a second Ctrl-C then would kill the process.
+    exit_at_once(0)
+
+
+def worker_config(
+    args: argparse.Namespace,
+    placement: "Placement",
+    devices: tuple[int, ...] | None,
+    token: str | None = None,
+    chat_template: str | None = None,
+) -> "WorkerConfig":
+    """The worker's settings from `serve`'s checked flags (on a node of a higher --node-rank, what its ranks read)."""
+    from rbee_worker.config import WorkerConfig
+
+    return WorkerConfig(
         engine=engine_config(args, placement),
         model=args.model,
         placement=placement,
-        quantize=quantize,
-        runtime=runtime,
+        quantize=quantize_for(args, placement),
+        runtime=runtime_for(args, placement.device),
         max_context=args.max_context,
         chat_template=chat_template,
         host=args.host,
@@ -80,10 +96,6 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
     )
-    serve(config, sock)
-    # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
-    # during which it restores the default signal handlers: a second Ctrl-C then would kill the process.
-    exit_at_once(0)
 
 
 def check_nodes(args: argparse.Namespace) -> None:
@@ -123,29 +135,12 @@ def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ..
 def run_node(args: argparse.Namespace) -> int:
     """`serve --node-rank R` (R > 0): this node's ranks of a worker whose node 0 serves HTTP; no port is bound. It
     returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
-    from rbee_worker.engine.tp_messages import Topology
-    from rbee_worker.engine.tp_ranks import Ranks
+    from rbee_worker.engine.tp_ranks import start_ranks
 
     placement, devices = serve_placement(args)
     if args.tensor_parallel > 1:
         check_tensor_parallel(args, placement)
-    topology = Topology(
-        args.tensor_parallel,
-        f"tcp://{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}",
-        args.nnodes,
-        args.node_rank,
-        devices,
-    )
-    ranks = Ranks(
-        topology,
-        placement,
-        args.model,
-        quantize_for(args, placement),
-        args.max_context,
-        engine_config(args, placement).threads,
-        args.log_level,
-        args.log_format,
-    )
+    ranks = start_ranks(worker_config(args, placement, devices))
 
     def stop(*_: object) -> None:
         log.info("node %d: stopping its ranks", args.node_rank)

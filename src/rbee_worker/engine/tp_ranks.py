@@ -53,6 +53,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rbee_worker.config import WorkerConfig
 from rbee_worker.devices import Placement
 from rbee_worker.engine.runner import DeviceFault
 from rbee_worker.engine.tp_messages import Ping, RankReport, RankSetup, Stop, Topology, rank_placement
@@ -410,3 +411,23 @@ def first_line(exc: BaseException) -> str:
     """An exception's first line (gloo's errors run over many)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def start_ranks(config: WorkerConfig) -> Ranks:
+    """Under --tensor-parallel N: this node's ranks beyond rank 0 started now, so that they load while this process
+    loads (node 0: it is rank 0) or watches them (another node); every node's ranks join at the rendezvous,
+    --master-port or a free port on one node."""
+    port = config.master_port or free_port(config.master_addr)
+    topology = Topology(
+        config.tensor_parallel, f"tcp://{config.master_addr}:{port}", config.nnodes, config.node_rank, config.devices
+    )
+    return Ranks(
+        topology,
+        config.placement,
+        config.model,
+        config.quantize,
+        config.max_context,
+        config.engine.threads,
+        config.log_level,
+        config.log_format,
+    )
