@@ -128,14 +128,20 @@ def eos_ids(*sources: int | list[int] | None) -> frozenset[int]:
     return frozenset(ids)
 
 
+# Experts modules that multiply every token by every expert (weighted by the router's scores, 0 where it does not
+# route): transformers' Llama 4 text MoE, which does not go through its experts interface.
+DENSE_EXPERTS = frozenset({"Llama4TextExperts"})
+
+
 def unrouted_bytes(model: torch.nn.Module, routed: int | None) -> int:
     """The bytes of expert weights that one token does not read when `routed` experts of each layer serve it: each
     experts module's weights stacked by expert ([experts, out, in], and its biases [experts, out] beside them; not a
-    router's [experts, in]) times the share of experts not routed to. 0 for a dense model."""
+    router's [experts, in]) times the share of experts not routed to. 0 for a dense model, and for experts modules
+    that compute every expert for every token (DENSE_EXPERTS)."""
     unread = 0.0
     for module in model.modules():
         experts = getattr(module, "num_experts", None)
-        if not isinstance(experts, int) or not routed or routed >= experts:
+        if not isinstance(experts, int) or not routed or routed >= experts or type(module).__name__ in DENSE_EXPERTS:
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]  # quantized ones: buffers
         own = [t for t in tensors if t.shape[:1] == (experts,)]
