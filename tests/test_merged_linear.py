@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from rbee_worker.devices import Placement
-from rbee_worker.models.dequant import int8_per_row
+from rbee_worker.models.dequant import int4_affine, int8_per_row
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
 from rbee_worker.models.merged_linear import ProjectionSlice, SharedProduct, merge_projections, stack
-from rbee_worker.models.quantize import int4_affine
 
 CPU = Placement(torch.device("cpu"), torch.float32)
 

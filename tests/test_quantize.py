@@ -9,10 +9,11 @@ from conftest import cli
 
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
+from rbee_worker.models.dequant import int4_affine
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
-from rbee_worker.models.quantize import int4_affine, quantize_head, quantized_supported
+from rbee_worker.models.quantize import quantize_head, quantized_supported
 
 CPU = torch.device("cpu")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]

@@ -42,8 +42,8 @@ from rbee_worker.cli.choices import quantize_for, runtime_for
 from rbee_worker.cli.flags import build_parser
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.loader import load_model
-from rbee_worker.models.tensor_parallel import VocabShard, check_divisible, read_model_config
+from rbee_worker.models.loader import load_model, read_model_config
+from rbee_worker.models.tensor_parallel import VocabShard, check_divisible
 
 PROMPTS = [
     "Once upon a time, in a small village by the sea,",

@@ -35,11 +35,11 @@ from test_tensor_parallel import (  # noqa: F401 -- close_script_forks: the modu
 
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.dequant import KERNEL_DTYPE, int8_per_row
+from rbee_worker.models.dequant import KERNEL_DTYPE, int4_affine, int8_per_row
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.loader import load_model
-from rbee_worker.models.quantize import int4_affine, quantize_head
+from rbee_worker.models.quantize import quantize_head
 from rbee_worker.models.tensor_parallel import shard_model
 from rbee_worker.models.tp_cuts import Cut, keep_columns, keep_rows
 from rbee_worker.models.tp_loading import loading_shard

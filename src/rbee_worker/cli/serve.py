@@ -161,7 +161,8 @@ def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> N
     or intermediate size do not divide by N, or its key/value heads neither divide by N nor into it: read from its
     config, without its weights). An int4 layer that a split would cut inside a group is refused by the ranks'
     load (models/tp_cuts.py), once its types are known."""
-    from rbee_worker.models.tensor_parallel import check_divisible, read_model_config
+    from rbee_worker.models.loader import read_model_config
+    from rbee_worker.models.tensor_parallel import check_divisible
 
     world, device, per_node = args.tensor_parallel, placement.device, args.tensor_parallel // args.nnodes
     if device.type not in ("cpu", "cuda"):

@@ -29,7 +29,7 @@ from rbee_worker.engine.detokenizer import Detokenizer, token_texts
 from rbee_worker.engine.grammar import Grammars
 from rbee_worker.engine.mailbox import EventStream, LoopMailbox
 from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
-from rbee_worker.engine.runner import DeviceFault, Runner, make_runner
+from rbee_worker.engine.runner import DeviceFault, Runner
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, check_seed
 from rbee_worker.engine.sampling import random_seed
 from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
@@ -48,6 +48,21 @@ class DuplicateRequest(RuntimeError):
     """A request with this id is already in flight."""
 
 
+def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
+    """The runner of the loaded model's runtime (models/loader.py chose it)."""
+    if loaded.info.encoder:
+        from rbee_worker.engine.encoder_runner import EncoderRunner
+
+        return EncoderRunner(loaded, config)
+    if loaded.info.runtime == "llama.cpp":
+        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
+
+        return LlamaCppRunner(loaded, config)
+    from rbee_worker.engine.torch_runner import TorchRunner
+
+    return TorchRunner(loaded, config)
+
+
 class EngineBusy(RuntimeError):
     """Every running slot and every queue place is taken; the caller should retry later."""
 
@@ -57,7 +72,7 @@ class EngineBusy(RuntimeError):
 
 
 class Engine:
-    """Runs `load`, makes the model's runner (`runner`: engine/runner.py's make_runner, or another Runner), and then
+    """Runs `load`, makes the model's runner (`runner`: make_runner, or another Runner), and then
     every step on its own thread.
 
     The engine owns the model that `load` returns and may change it in place (on a CPU its linear layers are

@@ -2,10 +2,11 @@
 
 A runner owns the model, its KV cache and each batch row's sampling state. It takes rows (a request's batch row, its
 block table, the tokens to feed and their positions) and gives back, for each row that samples, the chosen token:
-on the torch runtime (engine/torch_runner.py, CUDA graphs and compiled layers) and on llama.cpp's
-(engine/llama_cpp_runner.py). How a
-runner computes a step is its own affair; what differs between runners that the step loop must know is data:
-`Capabilities`, `KvGeometry`, and whether a launched step's tokens are ready (`Launched.ready`).
+on the torch runtime (engine/torch_runner.py, CUDA graphs and compiled layers), on llama.cpp's
+(engine/llama_cpp_runner.py), and for an encoder's embeddings (engine/encoder_runner.py); engine.py's make_runner
+picks one. How a runner computes a step is its own affair; what differs between runners that the step loop must know
+is data: `Capabilities`, `KvGeometry`, and whether a launched step's tokens are ready (`Launched.ready`). This module
+imports none of them.
 """
 
 from collections.abc import Sequence
@@ -14,7 +15,6 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import TokenLogprob
@@ -212,18 +212,3 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Free what the runner holds that Python's collector does not."""
-
-
-def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
-    """The runner of the loaded model's runtime (models/loader.py chose it)."""
-    if loaded.info.encoder:
-        from rbee_worker.engine.encoder_runner import EncoderRunner
-
-        return EncoderRunner(loaded, config)
-    if loaded.info.runtime == "llama.cpp":
-        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
-
-        return LlamaCppRunner(loaded, config)
-    from rbee_worker.engine.torch_runner import TorchRunner
-
-    return TorchRunner(loaded, config)

@@ -30,8 +30,7 @@ from transformers import activations
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
 from rbee_worker.models.cuda_weight_only import FLOAT_ONE, _weight_tile, pack_int4
-from rbee_worker.models.dequant import KERNEL_DTYPE, int8_per_row
-from rbee_worker.models.quantize import int4_affine
+from rbee_worker.models.dequant import KERNEL_DTYPE, int4_affine, int8_per_row
 
 NAME = "rbee_fused"
 SILU: tl.constexpr = tl.constexpr(0)  # the activations the up kernel applies

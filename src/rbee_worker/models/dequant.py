@@ -252,6 +252,17 @@ def int8_rows(
     return int8_per_row(dequantize(raw, ggml_type, shape), dtype)
 
 
+def int4_affine(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (int32, 0..15), scales and zeros (float32, [out, in // 32]) with W ~ (codes - 8) * scale + zero."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, 1.0)  # a constant group: every code 0, the value in `low`
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(rows, cols), scale, low + 8 * scale
+
+
 def int8_per_row(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A matrix (rows, cols) as int8 codes (rows, cols) and one `dtype` scale per row (rows,), w ~= q * s.
 

@@ -6,6 +6,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from rbee_worker.models.llama_cpp_model import llama_cpp_installed, load_llama_c
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.models.quantize import quantized_supported
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GGUF_MAGIC = b"GGUF"
 RUNTIMES = ("auto", "torch", "llama.cpp")
@@ -189,3 +193,23 @@ def _finish(
         loaded.info, context_length=max_context or context, load_seconds=time.perf_counter() - started
     )
     return dataclasses.replace(loaded, info=info)
+
+
+def read_model_config(spec: str) -> "tuple[PretrainedConfig, str]":
+    """MODEL's config and name, read without its weights (a GGUF file's header, or config.json), so that a model that
+    cannot be split is refused before any rank starts."""
+    from rbee_worker.models.gguf_format import read_gguf
+    from rbee_worker.models.gguf_model import ARCHITECTURES, gguf_config
+    from rbee_worker.models.hf import read_config
+
+    path = resolve_model_path(spec)
+    if path.is_file() and is_gguf(path):
+        file = read_gguf(path)
+        arch = file.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"--tensor-parallel splits GGUF files of the {', '.join(ARCHITECTURES)} architectures; {path.name} is "
+                f"{arch}: use its Hugging Face directory"
+            )
+        return gguf_config(file, arch), Path(path).stem
+    return read_config(path), path.name

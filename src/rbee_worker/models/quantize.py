@@ -21,21 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from rbee_worker.models.dequant import INT4_GROUP, KERNEL_DTYPE, int8_per_row
+from rbee_worker.models.dequant import INT4_GROUP, KERNEL_DTYPE, int4_affine, int8_per_row
 from rbee_worker.models.int4_linear import Int4Linear
 from rbee_worker.models.int8_linear import Int8Linear
 from rbee_worker.models.tensor_parallel import VocabParallelHead
-
-
-def int4_affine(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (int32, 0..15), scales and zeros (float32, [out, in // 32]) with W ~ (codes - 8) * scale + zero."""
-    rows, cols = weight.shape
-    groups = weight.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = (high - low) / 15
-    scale = torch.where(scale > 0, scale, 1.0)  # a constant group: every code 0, the value in `low`
-    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    return codes.reshape(rows, cols), scale, low + 8 * scale
 
 
 def quantized_supported(device: torch.device, dtype: torch.dtype) -> bool:

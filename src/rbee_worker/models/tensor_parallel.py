@@ -30,7 +30,6 @@ time and cuts it at once (`materialize`, models/gguf_model.fill_shard). The fina
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -171,27 +170,6 @@ def check_divisible(config: PretrainedConfig, world: int, name: str) -> None:
         f"{intermediate} must each divide by {world}, and its {kv_heads} key/value heads divide by {world} or into "
         f"it; its {' and '.join(failing)} do not; {advice}"
     )
-
-
-def read_model_config(spec: str) -> tuple[PretrainedConfig, str]:
-    """MODEL's config and name, read without its weights (a GGUF file's header, or config.json), so that a model that
-    cannot be split is refused before any rank starts."""
-    from rbee_worker.models.gguf_format import read_gguf
-    from rbee_worker.models.gguf_model import ARCHITECTURES, gguf_config
-    from rbee_worker.models.hf import read_config
-    from rbee_worker.models.loader import is_gguf, resolve_model_path
-
-    path = resolve_model_path(spec)
-    if path.is_file() and is_gguf(path):
-        file = read_gguf(path)
-        arch = file.metadata.get("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"--tensor-parallel splits GGUF files of the {', '.join(ARCHITECTURES)} architectures; {path.name} is "
-                f"{arch}: use its Hugging Face directory"
-            )
-        return gguf_config(file, arch), Path(path).stem
-    return read_config(path), path.name
 
 
 def shard_loaded(loaded: LoadedModel, rank: int, world: int) -> LoadedModel:
