@@ -35,7 +35,7 @@ from rbee_worker.engine.runner import (
 )
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.torch_runner import TorchRunner, size_pool
-from rbee_worker.engine.tp_messages import Forward, RankReport, RunnerSetup
+from rbee_worker.engine.tp_messages import ForwardRows, RankReport, RunnerSetup
 from rbee_worker.engine.tp_ranks import LOST_WAIT_S, Ranks, first_line
 from rbee_worker.models.loaded import LoadedModel
 
@@ -99,7 +99,7 @@ class TensorParallelRunner:
     def step(self, prompts: list[PromptRow], decodes: list[DecodeRow]) -> Stepped:
         if not (prompts or decodes):
             return Stepped([], [])
-        return self._everywhere(Forward(prompts, decodes), lambda: self.local.step(prompts, decodes))
+        return self._everywhere(ForwardRows(prompts, decodes), lambda: self.local.step(prompts, decodes))
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         """Never: each step is finished when `launch` returns."""
@@ -107,7 +107,7 @@ class TensorParallelRunner:
 
     def launch(self, decodes: list[DecodeRow], hold_sampling: bool = False) -> Launched:
         """The step computed at once (`chains` is False, so no sampling is ever held)."""
-        return self._everywhere(Forward([], decodes), lambda: self.local.launch(decodes))
+        return self._everywhere(ForwardRows([], decodes), lambda: self.local.launch(decodes))
 
     def sample_held(self, launched: Launched) -> None:
         """Nothing: no step is launched with its sampling held."""
@@ -115,7 +115,7 @@ class TensorParallelRunner:
     def collect(self, launched: Launched) -> list[Sampled]:
         return self.local.collect(launched)
 
-    def _everywhere(self, forward: Forward, compute: Callable[[], _T]) -> _T:
+    def _everywhere(self, forward: ForwardRows, compute: Callable[[], _T]) -> _T:
         """The forward sent to the other ranks, then computed here. Any failure stops the worker (DeviceFault): a rank
         that is gone, or a forward that failed here part way, which leaves the ranks' all-reduces out of step."""
         try:
@@ -168,7 +168,7 @@ class FollowerRunner(TorchRunner):
     """A rank's runner beyond rank 0: rank 0's forwards over this rank's shard. Its LM head gathers its logits to rank
     0 and returns none here; the sampler is rank 0's alone."""
 
-    def run(self, forward: Forward) -> None:
+    def run(self, forward: ForwardRows) -> None:
         """Compute one of rank 0's forwards (its collectives pair with every other rank's)."""
         if forward.prompts:
             self._prompt_forward(forward.prompts)

@@ -7,7 +7,7 @@ at --master-addr:--master-port (`Topology`). On CUDA, local rank i takes the i-t
 `check_devices`), by default from --device's index upward (`rank_placement`).
 
 What crosses, pickled: a rank beyond 0 first gets its RankSetup (what it needs to load its shard), then the
-RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them), then a Forward for each of
+RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them), then a ForwardRows for each of
 rank 0's forwards (the plain PromptRow / DecodeRow dataclasses of engine/runner.py); on the control group also a Ping
 while rank 0 idles and a Stop when it stops. Every rank tells every other one its RankReport (engine/tp_ranks.py's
 load_shard, engine/tensor_parallel.py's runner_reports).
@@ -75,7 +75,7 @@ class RunnerSetup:
 
 
 @dataclass(frozen=True)
-class Forward:
+class ForwardRows:
     """One forward's rows, as rank 0 runs it: prompt chunks, or decode rows."""
 
     prompts: list[PromptRow]

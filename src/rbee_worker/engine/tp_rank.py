@@ -4,7 +4,7 @@
 It reads its RankSetup from stdin, joins the ranks' process group (and the control group), starts its heartbeat
 (engine/tp_ranks.py: a counter in rank 0's rendezvous store, which also ends this rank once rank 0 is gone),
 loads the model and cuts its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as
-rank 0 decided them), makes its runner, tells every rank its weights and memory (one gather), and runs each Forward
+rank 0 decided them), makes its runner, tells every rank its weights and memory (one gather), and runs each ForwardRows
 that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes; a rank on another
 node receives them on the control group, until rank 0's Stop. Either way rank 0 has stopped and this rank exits 0; a
 broadcast that fails or times out (rank 0 gone, or silent past CONTROL_TIMEOUT) makes it exit 1. It never samples
@@ -37,7 +37,7 @@ def main() -> None:
     import torch
 
     from rbee_worker.engine.tensor_parallel import FollowerRunner, runner_reports
-    from rbee_worker.engine.tp_messages import Forward, Ping, RankSetup, RunnerSetup, Stop
+    from rbee_worker.engine.tp_messages import ForwardRows, Ping, RankSetup, RunnerSetup, Stop
     from rbee_worker.engine.tp_ranks import control_group, join, load_shard, receive, start_beating
     from rbee_worker.logs import configure_logging
     from rbee_worker.models.loader import load_model
@@ -88,7 +88,7 @@ def main() -> None:
         runner_reports(setup.world, runner, str(setup.placement.device))
         with torch.inference_mode():
             while not isinstance(message := next_message(), Stop):
-                if isinstance(message, Forward):
+                if isinstance(message, ForwardRows):
                     runner.run(message)
                 else:
                     assert isinstance(message, Ping), message

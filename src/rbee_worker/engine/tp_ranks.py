@@ -9,7 +9,7 @@ Nodes: node 0's rank 0 hosts the rendezvous. Node 0 runs rank 0 and its local ra
 
 Every rank runs the same forwards over its shard in the same order, so that their all-reduces pair up: rank 0's
 runner (TensorParallelRunner: the Runner protocol of engine/runner.py around rank 0's own TorchRunner) sends each
-forward's rows (a Forward, pickled) to the other ranks before it computes the forward itself. Ranks on node 0 read
+forward's rows (a ForwardRows, pickled) to the other ranks before it computes the forward itself. Ranks on node 0 read
 them from their stdin pipe: a pipe needs no timeout while the worker idles, and a rank whose rank 0 has died reads the
 end of it. Ranks on other nodes, which no pipe reaches, receive them through a broadcast over a gloo process group of
 their own (the control group: rank 0 and the other nodes' ranks, gloo even where the forwards' group is NCCL). The
