@@ -257,16 +257,18 @@ class Scheduler:
             if self._sibling_computes(sequence):
                 return None
             self._look_up(sequence)
-        # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
-        # that does not fit in what is left of the round's budget waits for the next round.
-        room = chunk_size - sequence.cached % chunk_size if self.config.deterministic else budget
         left = sequence.prefill_end - sequence.cached
         if self.whole_prompts:  # whole: in what is left of the round's budget, or first in a round of its own
-            if left > budget < chunk_size:
+            if left > budget and budget < chunk_size:
                 return None
             count = left
-        elif (count := min(room, left)) > budget:
-            return None
+        else:
+            # In deterministic mode chunks end at multiples of prefill_chunk whatever else ran in this round: a chunk
+            # that does not fit in what is left of the round's budget waits for the next round.
+            room = chunk_size - sequence.cached % chunk_size if self.config.deterministic else budget
+            count = min(room, left)
+            if count > budget:
+                return None
         if 0 < left - count < rows <= left - rows:  # the prompt's last chunk is not left short of uniform_rows
             count = left - rows
         if not self._room(sequence, sequence.cached + count, settle, wait=True):

@@ -211,5 +211,5 @@ def read_model_config(spec: str) -> "tuple[PretrainedConfig, str]":
                 f"--tensor-parallel splits GGUF files of the {', '.join(ARCHITECTURES)} architectures; {path.name} is "
                 f"{arch}: use its Hugging Face directory"
             )
-        return gguf_config(file, arch), Path(path).stem
+        return gguf_config(file, arch), path.stem
     return read_config(path), path.name
