@@ -5,10 +5,10 @@ same file in the same process.
 For each stream count and sampling, the engine decodes that many streams of --tokens tokens (short distinct prompts,
 `ignore_eos`), twice (the first a warm-up), and the engine thread's time per step is split by timers around its calls:
 `llama_decode`, the sampler (RowSampling.sample), the rest of the runner's step (the batch, bookkeeping, results),
-the output (Steps._take: detokenizing, stop strings, events), scheduling, taking requests from the inbox, and what is
-left of the loop. Then the bare loop decodes the same count of sequences (greedy, or with llama.cpp's own sampler
-chains for chat). Served figures (through HTTP, the client beside the worker) come from `rbee-worker bench
---peers llama.cpp`.
+the output (OutputProcessor.process: detokenizing, stop strings, events), scheduling (Scheduler.schedule and
+Scheduler.update), taking requests from the inbox, and what is left of the loop. Then the bare loop decodes the same
+count of sequences (greedy, or with llama.cpp's own sampler chains for chat). Served figures (through HTTP, the client
+beside the worker) come from `rbee-worker bench --peers llama.cpp`.
 
     PYTHONPATH=src python bench/llama_cpp_steps.py --streams 1 4 16 --sampling greedy chat --out bench/results/x
 """
@@ -33,10 +33,10 @@ from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
+from rbee_worker.engine.output import OutputProcessor
 from rbee_worker.engine.rows import RowSampling
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.scheduler import Scheduler
-from rbee_worker.engine.step import Steps
 from rbee_worker.engine.types import End, Error, Request
 from rbee_worker.models.demo import demo_model_path
 from rbee_worker.models.loader import load_model
@@ -95,8 +95,9 @@ def install(timers: Timers) -> None:
     timers.wrap(native, "llama_decode", "llama_decode")
     timers.wrap(RowSampling, "sample", "sample")
     timers.wrap(LlamaCppRunner, "step", "runner")
-    timers.wrap(Steps, "_take", "output")
+    timers.wrap(OutputProcessor, "process", "output")
     timers.wrap(Scheduler, "schedule", "schedule")
+    timers.wrap(Scheduler, "update", "schedule")
     timers.wrap(Engine, "_admit", "admit")
 
 

@@ -21,6 +21,8 @@ from serving import TEST_KV_GB, Worker, launch
 from xdist.scheduler import LoadScopeScheduling
 
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.plan import Computed, Drawn, Executed, Plan
+from rbee_worker.engine.runner import Sampled
 from rbee_worker.models.demo import cache_dir, demo_model_path
 from rbee_worker.models.llama_cpp_model import llama_cpp_installed
 
@@ -449,3 +451,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def default_runtime() -> str:
     """What `--runtime auto` picks for the demo GGUF on the CPU: llama.cpp where llama-cpp-python is installed."""
     return "llama.cpp" if llama_cpp_installed() else "torch"
+
+
+def executed(plan: Plan, token: int = 1) -> Executed:
+    """What the executor gives back for a plan, without a model: every chunk computed; a chunk that samples and every
+    decode row give `token`."""
+    out: Executed = []
+    for forward in plan.forwards:
+        out += [Computed(c) for c in forward.chunks]
+        out += [Drawn(c.sequence, Sampled((token,), True)) for c in forward.chunks if c.samples]
+        out += [Drawn(d.sequence, Sampled((token,), True), d) for d in forward.decode]
+    return out

@@ -391,7 +391,7 @@ def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_decode_steps_launched_ahead_chain_tokens_as_waiting_for_each(demo_gguf: Path, cpu_graphs: None) -> None:
-    """The bookkeeping of decode steps launched before the host reads the previous one (Steps._decode), run on
+    """The bookkeeping of decode steps launched before the host reads the previous one (Executor._decode), run on
     the CPU through DecodeGraphs (tests/test_cuda.py runs it on real CUDA graphs): every kind of request gets the tokens
     of an engine that waits for every step."""
     per_token = 2 * 30 * 3 * 64 * 4  # the demo model's float32 keys and values of one token, all layers

@@ -11,19 +11,20 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rbee_worker.engine import rows
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.core import EngineCore
 from rbee_worker.engine.kv_blocks import SCRATCH_BLOCK, BlockPool, BlockTable, block_key
-from rbee_worker.engine.output import Output, OutputProcessor
+from rbee_worker.engine.output import Ended
+from rbee_worker.engine.plan import Output, Sequence
 from rbee_worker.engine.rows import WindowLayers, kv_budget, kv_pool, window_blocks_for
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled, Stepped
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
-from rbee_worker.engine.step import Steps
 from rbee_worker.engine.types import End, Error, Event, Request, StopReason, Token
 from rbee_worker.errors import ModelLoadError
 
@@ -252,20 +253,17 @@ class KvReadingRunner:
     writes every position into the row's window table too, and records as a fault a read of the last `window`
     positions through it that does not give the tokens of the main table."""
 
-    def __init__(
-        self,
-        kind: str,
-        pool: BlockPool,
-        failing: random.Random | None = None,
-        windows: BlockPool | None = None,
-        window: int = 0,
-    ) -> None:
-        self.kind, self.pool, self.block_size, self.failing = kind, pool, pool.block_size, failing
-        self.windows, self.window = windows, window
-        self.capabilities = Capabilities(mixed_batches=kind == "mixed")
+    def __init__(self, kind: str, kv: KvGeometry, failing: random.Random | None = None, row_tokens: int = 1) -> None:
+        self.kind, self.kv, self.block_size, self.failing = kind, kv, kv.block_size, failing
+        self.window = kv.window or 0
+        self.pool: BlockPool  # the scheduler's pools, read to check each write (Harness)
+        self.windows: BlockPool | None = None
+        self.loaded = SimpleNamespace(info=SimpleNamespace(eos_token_ids=frozenset({EOS})))
+        self.capabilities = Capabilities(mixed_batches=kind == "mixed", row_tokens=row_tokens)
         self.cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)
         self.window_cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)
         self.chosen: dict[int, int] = {}
+        self.verified: Counter = Counter()  # rows of several tokens: (fed, accepted) -> how many
         self.faults: list[str] = []
         self.evicted = 0
 
@@ -290,7 +288,7 @@ class KvReadingRunner:
                 self._write_both(row, row.start + i, token)
             if row.sample:
                 out.append(self._sample(row, row.start + len(row.token_ids) - 1))
-        return Stepped(out + [self._decode(r, r.token) for r in decodes], [() for _ in prompts])
+        return Stepped(out + [self._decode(r, r.tokens[0]) for r in decodes], [() for _ in prompts])
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
@@ -299,7 +297,7 @@ class KvReadingRunner:
         if self.kind != "async":
             return Finished(self.step([], decodes).sampled)
         self._maybe_fail()
-        fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]
+        fed = [self.chosen[r.row] if r.chained else r.tokens[0] for r in decodes]
         return Pending([self._decode(r, t) for r, t in zip(decodes, fed, strict=True)])
 
     def sample_held(self, launched: Finished | Pending) -> None:
@@ -318,8 +316,21 @@ class KvReadingRunner:
             raise RuntimeError("a forward failed")
 
     def _decode(self, row: DecodeRow, token: int) -> Sampled:
-        self._write_both(row, row.position, token)
-        return self._sample(row, row.position)
+        """A row of one token, or a verify step: every token fed is written at its position (a rejected tail's too),
+        and the tokens accepted are each position's own sample while the token fed after it is that sample."""
+        fed = (token, *row.tokens[1:])
+        for i, fed_token in enumerate(fed):
+            self._write_both(row, row.position + i, fed_token)
+        accepted: list[int] = []
+        for i in range(len(fed)):
+            accepted.append(self._sample(row, row.position + i).tokens[0])
+            if i + 1 == len(fed) or fed[i + 1] != accepted[-1]:
+                break
+        self.chosen[row.row] = accepted[-1]
+        if len(fed) > 1:
+            self.verified[len(fed), len(accepted)] += 1
+            self.verified["EOS before the last"] += EOS in accepted[:-1]
+        return Sampled(tuple(accepted), True)
 
     def _write_both(self, row: PromptRow | DecodeRow, position: int, token: int) -> None:
         self._write(self.pool, self.cells, row.blocks, position, token)
@@ -351,7 +362,7 @@ class KvReadingRunner:
             if self._read(self.window_cells, row.window_blocks, range(first, position + 1)) != read[first:]:
                 self.faults.append(f"row {row.row}'s window at position {position} holds other tokens")
         self.chosen[row.row] = token = fake_model(read)
-        return Sampled(token, True, None)
+        return Sampled((token,), True)
 
     def _read(self, cells: dict[int, list[int | None]], blocks: Tokens[int], positions: range) -> list[int | None]:
         size = self.block_size
@@ -364,6 +375,7 @@ class Traffic:
 
     preemptions: int = 0
     hit_tokens: int = 0
+    verified: Counter = field(default_factory=Counter)  # rows of several tokens: (fed, accepted) -> how many
     rounds: int = 0
     ended: Counter = field(default_factory=Counter)
 
@@ -372,28 +384,48 @@ class Harness:
     """Engine._run's loop without the thread: the inbox (arrivals, cancellations) between rounds, then a round."""
 
     def __init__(
-        self, config: EngineConfig, kind: str, blocks: int, failing: random.Random | None = None, window: int = 0
+        self,
+        config: EngineConfig,
+        kind: str,
+        blocks: int,
+        failing: random.Random | None = None,
+        window: int = 0,
+        proposals: random.Random | None = None,
     ) -> None:
+        """`proposals`: decode rows of up to 3 tokens, the last output and two proposed after it (`propose`)."""
         self.config = config
         size = config.block_size
         windows = window_blocks_for(window, size, config.max_batch, config.prefill_chunk) if window else 0
         self.kv = KvGeometry(blocks, size, (blocks - 1) * size, 1, True, window or None, windows, int(windows > 0))
-        self.scheduler = Scheduler(config, kind == "mixed", self.kv)
+        self.runner = KvReadingRunner(kind, self.kv, failing, 3 if proposals else 1)
+        self.proposals = proposals
+        proposer = self.propose if proposals else None
+        self.core = EngineCore(self.runner, config, proposer=proposer)  # type: ignore[arg-type] -- a partial Runner
+        self.scheduler = self.core.scheduler
         self.pool, self.windows = self.scheduler.blocks, self.scheduler.windows
-        self.runner = KvReadingRunner(kind, self.pool, failing, self.windows, window)
-        self.output = OutputProcessor(frozenset({EOS}), lambda tokens: tokens, self._retire)
-        self.steps = Steps(self.scheduler, self.runner, self.output)  # type: ignore[arg-type] -- a partial Runner
+        self.runner.pool, self.runner.windows = self.pool, self.windows
         self.events: dict[str, list[Event]] = defaultdict(list)
         self.sequences: list[Sequence] = []
         self.in_flight: list[Sequence] = []
         self.count = 0
 
-    def _retire(self, sequence: Sequence, terminal: End | Error) -> None:
-        """Engine._retire."""
-        self.scheduler.free(sequence)
-        if sequence in self.in_flight:
-            self.in_flight.remove(sequence)
-        self.events[sequence.request_id].append(terminal)
+    def propose(self, sequence: Sequence, limit: int) -> tuple[int, ...]:
+        """The tokens that follow the sequence's last one in its solo run (EOS where that run ends, then any), each
+        replaced by a random one now and then: rows whose proposals are all, partly or not accepted."""
+        assert self.proposals is not None
+        request = sequence.request
+        expected, reason = solo(request.prompt_ids, request.max_tokens)
+        following = [*expected, EOS] if reason is StopReason.EOS else expected
+        guess = following[len(sequence.output_ids) : len(sequence.output_ids) + limit]
+        guess += [self.proposals.randrange(VOCAB) for _ in range(limit - len(guess))]
+        return tuple(t if self.proposals.random() < 0.7 else self.proposals.randrange(VOCAB) for t in guess)
+
+    def deliver(self, ended: list[Ended]) -> None:
+        """Engine._deliver."""
+        for sequence, terminal in ended:
+            if sequence in self.in_flight:
+                self.in_flight.remove(sequence)
+            self.events[sequence.request_id].append(terminal)
 
     def submit(self, prompt: tuple[int, ...], max_tokens: int) -> None:
         request = Request(prompt, max_tokens=max_tokens, request_id=f"r{self.count}")
@@ -401,22 +433,11 @@ class Harness:
         sequence = Sequence(request, 0, Output(self.events[request.request_id].append, NoText()))  # type: ignore[arg-type]
         self.sequences.append(sequence)
         self.in_flight.append(sequence)
-        self.scheduler.add(sequence)
-        self.output.started(sequence)
+        self.core.add(sequence)
 
-    def round(self) -> Plan:
-        """Engine._round."""
-        plan = self.scheduler.schedule(self.steps.collect_pending)
-        for sequence in plan.abandoned:
-            self.output.end(sequence, StopReason.CANCELLED)
-        for row in plan.preempted:
-            self.runner.evict(row)
-        for sequence in plan.started:
-            if not sequence.finished:
-                request = sequence.request
-                self.runner.assign(sequence.row, request.sampling, sequence.seed, request.prompt_ids, None)
-        self.steps.run(plan)
-        return plan
+    def round(self) -> None:
+        """One step of the engine's loop."""
+        self.deliver(self.core.step())
 
     def check(self) -> None:
         """The pool's and the tables' invariants, after a round."""
@@ -525,7 +546,8 @@ def traffic(seed: int, ops: int = 200) -> Traffic:
     need = -(-(longest_prompt + most_tokens) // block_size)  # the blocks of the longest request
     failing = random.Random(seed) if rng.random() < 0.2 else None
     window = rng.choice([0, 0, 2, 3, 5, 9])  # a pool of windows beside the main one, as sliding layers have
-    harness = Harness(config, kind, 1 + rng.randint(need, 3 * need), failing, window)
+    proposals = random.Random(seed) if rng.random() < 0.3 else None  # rows of several tokens, verified
+    harness = Harness(config, kind, 1 + rng.randint(need, 3 * need), failing, window, proposals)
     prefixes = [[rng.randrange(1, VOCAB) for _ in range(longest_prompt)] for _ in range(3)]
     stats = Traffic()
     for _ in range(ops):  # an op: an arrival, a cancellation, or a round
@@ -538,7 +560,7 @@ def traffic(seed: int, ops: int = 200) -> Traffic:
         elif draw < 0.34 and harness.in_flight:  # between two rounds, as the engine takes cancellations
             victim = rng.choice(harness.in_flight)
             if rng.random() < 0.5:
-                harness.output.end(victim, StopReason.CANCELLED)
+                harness.deliver(harness.core.cancel(victim.request_id))
             else:
                 victim.output.undeliverable = True  # the caller is gone: ended at the next round
         elif len(harness.scheduler):
@@ -550,9 +572,10 @@ def traffic(seed: int, ops: int = 200) -> Traffic:
         stats.rounds += 1
         assert stats.rounds < 20 * ops, "no progress"
         harness.check()
-    harness.steps.collect_pending()
+    harness.deliver(harness.core.stop())
     harness.check_ended()
     stats.preemptions, stats.hit_tokens = harness.scheduler.preemptions, harness.pool.hit_tokens
+    stats.verified = harness.runner.verified
     stats.ended.update(getattr(e[-1], "stop_reason", "failed") for e in harness.events.values())
     assert harness.runner.evicted == stats.preemptions
     return stats
@@ -575,11 +598,10 @@ def test_solo_runs_through_a_large_pool_give_the_reference_tokens() -> None:
         assert (tokens, harness.events["r0"][-1].stop_reason) == solo(prompt, 30) and tokens
 
 
-def test_a_gone_callers_request_that_a_preemption_ends_is_ended_once() -> None:
-    """A request whose caller is gone is ended as cancelled by the round that plans it (`Plan.abandoned`); but while
-    planning, a preemption first collects the decode step in flight (`settle`), and when that step gives the request
-    its last token, the request ends there (MAX_TOKENS), and the plan no longer lists it. Every request has exactly
-    one terminal event (and the metrics count it once)."""
+def test_a_gone_callers_request_with_a_token_in_flight_is_ended_once() -> None:
+    """A request whose caller is gone is ended as cancelled by the round that finds it, while its last token is still
+    in flight; a preemption in that round has the executor take that step first, so the token arrives in the same
+    round. Every request has exactly one terminal event (and the metrics count it once)."""
     harness = Harness(EngineConfig(max_batch=3, block_size=4, prefix_caching=False), "async", 4)
     harness.submit((5, 6, 7), 10)
     harness.submit((8, 9, 10), 2)  # two tokens: the second comes from the step in flight
@@ -589,10 +611,12 @@ def test_a_gone_callers_request_that_a_preemption_ends_is_ended_once() -> None:
     harness.round()  # a decode step at position 3 of each, launched and not collected
     assert (a.launched, gone.launched, b.launched) == (1, 1, 1) and harness.pool.free_blocks == 0
     gone.output.undeliverable = True  # an event could not be delivered: the caller is gone
-    plan = harness.round()  # a's position 4 needs a block: b is preempted, after the step in flight is collected
-    assert plan.abandoned == [] and plan.preempted == [b.row] and gone.output_ids == [23, 45]
+    harness.round()  # a's position 4 needs a block: b is preempted, after the step in flight is taken
+    assert harness.scheduler.preemptions == 1 and b.launched == 0 and len(b.output_ids) == 2 and b.prefilling
+    assert gone.finished and gone.output_ids == [23]  # its second token, taken after it ended, is thrown away
     terminals = [e for e in harness.events[gone.request_id] if isinstance(e, End | Error)]
-    assert len(terminals) == 1, terminals
+    assert len(terminals) == 1 and terminals[0].stop_reason is StopReason.CANCELLED, terminals
+    harness.check()
 
 
 SEEDS = 300
@@ -604,7 +628,10 @@ def test_random_traffic_keeps_the_pool_consistent_and_every_request_its_solo_tok
     sequence's table holds its own tokens at every computed position, a block is in two tables only while registered
     and inside both tables' cached prefix, reference counts are the tables holding each block, and no shared or
     registered block is ever written; at the end every block is free, every request ended once, and got its solo
-    tokens (the start of them where cancelled or failed). Preemptions, prefix hits and failures happened."""
+    tokens (the start of them where cancelled or failed). Preemptions, prefix hits and failures happened. A third of
+    the seeds decode in rows of up to 3 tokens (the last output and two proposed after it, the proposals right, half
+    right or wrong, EOS among them): a rejected tail's positions and blocks go back, and EOS or max_tokens inside a
+    row end the request there."""
     runs = []
     for seed in range(SEEDS):
         try:
@@ -616,6 +643,9 @@ def test_random_traffic_keeps_the_pool_consistent_and_every_request_its_solo_tok
     ended = sum((r.ended for r in runs), Counter())
     assert all(ended[reason] > 0 for reason in StopReason if reason is not StopReason.STOP_SEQUENCE), ended
     assert ended["failed"] > 0
+    verified = sum((r.verified for r in runs), Counter())
+    assert all(verified[3, accepted] > 0 for accepted in (1, 2, 3)) and verified[2, 1] > 0, verified
+    assert verified["EOS before the last"] > 0, verified
 
 
 def test_the_pool_offers_the_models_context_whenever_one_request_fits() -> None:

@@ -9,17 +9,17 @@ last chunk is not left short, and a cache hit leaves enough of the prompt to com
 from pathlib import Path
 
 import pytest
-from conftest import RUNTIMES
+from conftest import RUNTIMES, executed
 
 from rbee_worker.benchmark.run import TEXT
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.output import Output
+from rbee_worker.engine.plan import Output, Plan, Sequence
 from rbee_worker.engine.prompt_cache import PromptCache
-from rbee_worker.engine.runner import KvGeometry
+from rbee_worker.engine.runner import Capabilities, KvGeometry
 from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
+from rbee_worker.engine.scheduler import Scheduler
 from rbee_worker.engine.types import End, Request, Token
 from rbee_worker.models.loader import load_model
 
@@ -28,7 +28,7 @@ from rbee_worker.models.loader import load_model
 
 def scheduler(uniform_rows: int, **config: object) -> Scheduler:
     settings = EngineConfig(**{"prefill_chunk": 64, "block_size": 4, **config})  # type: ignore[arg-type]
-    return Scheduler(settings, False, KvGeometry(256, 4, 1024, 1), uniform_rows=uniform_rows)
+    return Scheduler(settings, Capabilities(False, uniform_rows), KvGeometry(256, 4, 1024, 1))
 
 
 def add(s: Scheduler, name: str, prompt: list[int]) -> Sequence:
@@ -41,10 +41,7 @@ def add(s: Scheduler, name: str, prompt: list[int]) -> Sequence:
 def chunks(s: Scheduler) -> list[tuple[str, int, int]]:
     """One round, carried out as a step would: its chunks (request, start, count)."""
     plan: Plan = s.schedule()
-    for forward in plan.forwards:
-        s.computed(forward.chunks, forward.decode)
-        for sequence in [c.sequence for c in forward.chunks if c.samples] + forward.decode:
-            s.append(sequence, 1)
+    s.update(executed(plan))
     return [(c.sequence.request_id, c.start, c.count) for f in plan.forwards for c in f.chunks]
 
 

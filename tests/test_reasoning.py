@@ -280,8 +280,8 @@ def test_a_dormant_row_is_unmasked(
     draws = set()
     for _ in range(20):
         packed = sampling.sample(torch.zeros(2, vocab), [0, 1], [True, True])
-        assert sampling.sampled(packed[0], 0).token in first
-        draws.add(sampling.sampled(packed[1], 1).token)
+        assert sampling.sampled(packed[0], 0).tokens[0] in first
+        draws.add(sampling.sampled(packed[1], 1).tokens[0])
     assert draws - first - {think.start_id}  # uniform logits over the whole vocabulary
 
 

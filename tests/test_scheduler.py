@@ -2,18 +2,20 @@
 
 from collections.abc import Sequence as Tokens
 
+from conftest import executed
+
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.output import Output
-from rbee_worker.engine.runner import KvGeometry
-from rbee_worker.engine.scheduler import Chunk, Plan, Scheduler, Sequence
-from rbee_worker.engine.types import Request
+from rbee_worker.engine.plan import Chunk, Ending, Output, Plan, Sequence
+from rbee_worker.engine.runner import Capabilities, KvGeometry
+from rbee_worker.engine.scheduler import Scheduler
+from rbee_worker.engine.types import Request, StopReason
 
 
 class Harness:
     def __init__(self, mixed_batches: bool = False, blocks: int = 64, **config: object) -> None:
         engine_config = EngineConfig(**config)
         kv = KvGeometry(blocks, engine_config.block_size, 1024, 1)
-        self.scheduler = Scheduler(engine_config, mixed_batches, kv)
+        self.scheduler = Scheduler(engine_config, Capabilities(mixed_batches), kv)
         self.pool = self.scheduler.blocks
 
     def add(self, request_id: str, prompt_len: int = 0, max_tokens: int = 8, prompt: Tokens[int] = ()) -> Sequence:
@@ -24,13 +26,9 @@ class Harness:
         return sequence
 
     def run(self, plan: Plan, token: int = 1) -> None:
-        """What a step does with a plan: every forward's keys and values cached; a chunk that samples and every
-        decode row give a token."""
-        for forward in plan.forwards:
-            sampling = [c.sequence for c in forward.chunks if c.samples] + forward.decode
-            self.scheduler.computed(forward.chunks, forward.decode)
-            for sequence in sampling:
-                self.scheduler.append(sequence, token)
+        """What the executor gives back for a plan: every chunk computed; a chunk that samples and every decode row
+        give a token."""
+        self.scheduler.update(executed(plan, token))
         self.pool.check()
 
     def round(self, token: int = 1) -> Plan:
@@ -44,7 +42,7 @@ def shape(plan: Plan) -> list[list[tuple[str, int, int]]]:
 
 
 def decoding(plan: Plan) -> list[list[str]]:
-    return [[s.request_id for s in f.decode] for f in plan.forwards if f.decode]
+    return [[d.sequence.request_id for d in f.decode] for f in plan.forwards if f.decode]
 
 
 def test_rows_go_lowest_first_and_waiting_requests_take_freed_ones() -> None:
@@ -129,14 +127,15 @@ def test_progress_is_counted_in_one_place_and_max_tokens_reported() -> None:
     h.run(h.scheduler.schedule())
     assert a.cached == 4 and a.output_ids == [1] and len(a.table.blocks) == 1
     plan = h.scheduler.schedule()  # the decode row at position 4 needs a second block
-    assert decoding(plan) == [["a"]] and len(a.table.blocks) == 2
-    h.scheduler.computed([], [a])
-    assert not h.scheduler.append(a, 2) and a.cached == 5
-    assert h.scheduler.wants_token(a)
-    a.launched = 1  # a step in flight will give the third token
+    assert decoding(plan) == [["a"]] and len(a.table.blocks) == 2 and a.launched == 1
+    a.output_ids.append(2)  # as if the token in flight were its second: the third would be its last
     assert not h.scheduler.wants_token(a)
-    a.launched = 0
-    assert h.scheduler.append(a, 3)  # the last one max_tokens allows
+    a.output_ids.pop()
+    (generated,) = h.scheduler.update(executed(plan, 2))
+    assert generated.stop is None and a.cached == 5 and a.launched == 0 and a.output_ids == [1, 2]
+    assert h.scheduler.wants_token(a)
+    (generated,) = h.scheduler.update(executed(h.scheduler.schedule(), 3))
+    assert generated.stop is StopReason.MAX_TOKENS  # the last one max_tokens allows
     assert h.pool.used_blocks == 2
     h.scheduler.free(a)
     assert not h.scheduler.wants_token(a) and h.pool.used_blocks == 0 and a.table.blocks == []
@@ -148,8 +147,9 @@ def test_a_request_whose_caller_is_gone_is_abandoned_at_the_next_round() -> None
     a, b = h.add("a", 2), h.add("b", 2)
     a.output.undeliverable = True
     plan = h.scheduler.schedule()
-    assert plan.abandoned == [a] and [c.sequence for c in plan.forwards[0].chunks] == [b]
+    assert [c.sequence for c in plan.forwards[0].chunks] == [b]
     assert a.table.blocks == []  # it is planned nothing, so it takes no block
+    assert h.scheduler.update([])[0] == Ending(a, StopReason.CANCELLED)
 
 
 def test_a_reused_id_is_a_different_sequence() -> None:
@@ -250,7 +250,7 @@ def test_a_full_pool_preempts_the_newest_request_which_reads_its_tokens_again() 
     h.round(token=32)  # position 7
     assert (a.cached, b.cached, h.pool.free_blocks) == (8, 8, 0)
     plan = h.scheduler.schedule()  # a's position 8 needs a third block: b goes
-    assert plan.preempted == [b.row] == [1] and h.scheduler.preemptions == 1
+    assert plan.preempted == [b] and b.row == 1 and h.scheduler.preemptions == 1
     assert b.row == 1 and b.output_ids == [30, 31, 32] and b.prefilling and b.prefill_end == 8
     assert h.scheduler.running == [a, b]
     # The block left over takes the first 4 of the 8 tokens b reads again.
@@ -280,7 +280,7 @@ def test_a_decode_row_with_nothing_newer_to_preempt_preempts_itself() -> None:
     h.round()
     assert h.pool.free_blocks == 0
     plan = h.scheduler.schedule()  # a's position 11 fits its blocks; b's position 4 needs a second block
-    assert plan.preempted == [b.row] == [1] and decoding(plan) == [["a"]] and not shape(plan)
+    assert plan.preempted == [b] and b.row == 1 and decoding(plan) == [["a"]] and not shape(plan)
     assert (b.cached, b.table.blocks, b.prefill_end) == (0, [], 4)
     h.run(plan)
     plan = h.round()  # a's position 12 takes the block b gave back; b waits

@@ -8,7 +8,9 @@ own tokens at every earlier position (the bookkeeping of launched-ahead steps, o
 preempted requests, of prefixes found in the cache) shows up in `wrong`.
 """
 
+import dataclasses
 import queue
+import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,8 +25,10 @@ from transformers import PreTrainedTokenizerFast
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.output import OutputProcessor
+from rbee_worker.engine.plan import Sequence as Admitted
 from rbee_worker.engine.runner import Capabilities, DecodeRow, Finished, KvGeometry, PromptRow, Sampled, Stepped
 from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.scheduler import Proposer
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason, Token
 from rbee_worker.models.loaded import LoadedModel, ModelInfo
 
@@ -61,10 +65,13 @@ class FakeRunner:
     """A runner of one of three kinds: eager (a forward per kind of row), mixed (prompt chunks and decode rows in one
     forward) or asynchronous (decode steps launched ahead, chained rows reading the previous step's tokens)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, kind: str, kv_blocks: int | None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, kind: str, kv_blocks: int | None, row_tokens: int = 1
+    ) -> None:
         self.loaded, self.kind = loaded, kind
         self.vocab_size = len(WORDS)
-        self.capabilities = Capabilities(mixed_batches=kind == "mixed")
+        self.capabilities = Capabilities(mixed_batches=kind == "mixed", row_tokens=row_tokens)
+        self.accepted: list[int] = []  # rows of several tokens: how many of each row's tokens were accepted
         self.block_size = config.block_size
         blocks = kv_blocks or 1 + config.max_batch * -(-CONTEXT // self.block_size)
         self.kv = KvGeometry(blocks, self.block_size, min(CONTEXT, (blocks - 1) * self.block_size), 1)
@@ -105,8 +112,8 @@ class FakeRunner:
             for i, token in enumerate(row.token_ids):
                 chosen = self._feed(row.row, row.blocks, token, row.start + i)
             if row.sample:
-                out.append(Sampled(self._chose(row.row, chosen), True, None))
-        return Stepped(out + [Sampled(self._decode(r, r.token), True, None) for r in decodes], [() for _ in prompts])
+                out.append(Sampled((self._chose(row.row, chosen),), True))
+        return Stepped(out + [self._verify(r, r.tokens[0]) for r in decodes], [() for _ in prompts])
 
     def chains(self, decodes: list[DecodeRow]) -> bool:
         return self.kind == "async"
@@ -116,10 +123,10 @@ class FakeRunner:
             return Finished(self.step([], decodes).sampled)
         self._call()
         self.chained += sum(r.chained for r in decodes)
-        fed = [self.chosen[r.row] if r.chained else r.token for r in decodes]
+        fed = [self.chosen[r.row] if r.chained else r.tokens[0] for r in decodes]
         # The tokens each constrained row has chosen before this step: its mask must follow all of them when it draws.
         drawn = {r.row: len(self.stream[r.row]) - self.prompt_length[r.row] for r in decodes if r.row in self.matchers}
-        step = Pending([Sampled(self._decode(r, t), True, None) for r, t in zip(decodes, fed, strict=True)])
+        step = Pending([self._verify(r, t) for r, t in zip(decodes, fed, strict=True)])
         if hold_sampling:
             self.held.append((step, drawn))
         else:
@@ -174,6 +181,18 @@ class FakeRunner:
     def _decode(self, row: DecodeRow, token: int) -> int:
         return self._chose(row.row, self._feed(row.row, row.blocks, token, row.position))
 
+    def _verify(self, row: DecodeRow, token: int) -> Sampled:
+        """A row's tokens: its first token's next one, then, while each proposal after it is the model's own next
+        token, the token after that (a proposal that is not ends the row; it is never fed)."""
+        accepted = [self._decode(row, token)]
+        for offset, proposed in enumerate(row.tokens[1:], 1):
+            if proposed != accepted[-1]:
+                break
+            accepted.append(self._decode(dataclasses.replace(row, position=row.position + offset), proposed))
+        if len(row.tokens) > 1:
+            self.accepted.append(len(accepted))
+        return Sampled(tuple(accepted), True)
+
     def _chose(self, row: int, token: int) -> int:
         self.chosen[row] = token
         self.stream[row].append(token)
@@ -222,14 +241,18 @@ def loaded() -> LoadedModel:
     return LoadedModel(None, tokenizer, info)  # type: ignore[arg-type] -- the fake runner needs no model
 
 
-def start(loaded: LoadedModel, kind: str, kv_blocks: int | None = None, **config: object) -> tuple[Engine, FakeRunner]:
+def start(
+    loaded: LoadedModel, kind: str, kv_blocks: int | None = None, proposer: Proposer | None = None, **config: object
+) -> tuple[Engine, FakeRunner]:
+    """An engine over a fake runner of this kind; with a `proposer`, its decode rows carry up to 3 tokens."""
     runners: list[FakeRunner] = []
 
     def make(loaded: LoadedModel, config: EngineConfig) -> FakeRunner:
-        runners.append(FakeRunner(loaded, config, kind, kv_blocks))
+        runners.append(FakeRunner(loaded, config, kind, kv_blocks, 3 if proposer else 1))
         return runners[0]
 
-    engine = Engine(lambda: loaded, EngineConfig(**{"max_batch": 3, "prefill_chunk": 8, **config}), runner=make)
+    settings = EngineConfig(**{"max_batch": 3, "prefill_chunk": 8, **config})  # type: ignore[arg-type]
+    engine = Engine(lambda: loaded, settings, runner=make, proposer=proposer)
     engine.loaded  # noqa: B018 -- waits for the runner
     return engine, runners[0]
 
@@ -315,6 +338,37 @@ def test_a_pool_too_small_for_every_request_preempts_and_each_still_gets_its_own
         assert engine.kv_cache_usage() == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_of_several_tokens_keep_the_accepted_ones_and_end_inside_a_row(loaded: LoadedModel, kind: str) -> None:
+    """Decode rows of 3 tokens (the last output and two proposed after it: right, half right or wrong): each request
+    gets its own tokens at the right positions, a rejected tail is never output, a stop string ends the request at
+    its token whatever follows it in the row, and max_tokens at a row's last token (proposals never run past it)."""
+    rng = random.Random(0)
+
+    def propose(sequence: Admitted, limit: int) -> tuple[int, ...]:
+        request = sequence.request
+        following = expected_tokens(request.prompt_ids, request.max_tokens + 2)[len(sequence.output_ids) :][:limit]
+        return tuple(t if rng.random() < 0.7 else rng.randrange(1, len(WORDS)) for t in following)
+
+    engine, runner = start(loaded, kind, proposer=propose)
+    try:
+        batch = requests(6)
+        long = Request((3, 1, 4, 1, 5), max_tokens=12, request_id="long")
+        tokens = expected_tokens(long.prompt_ids, 12)
+        stop_at = tokens.index(tokens[7])
+        stopped = Request(long.prompt_ids, max_tokens=12, request_id="stopped", stop=(WORDS[tokens[7]],))
+        received = run_together(engine, [long, stopped, *batch])
+    finally:
+        engine.close()
+    assert token_ids(received["long"]) == tokens and received["long"][-1].tokens_out == 12
+    end = received["stopped"][-1]
+    assert isinstance(end, End) and end.stop_reason is StopReason.STOP_SEQUENCE
+    assert token_ids(received["stopped"]) == tokens[: stop_at + 1] and end.tokens_out == stop_at + 1
+    assert_own_tokens(received, batch)
+    assert runner.wrong == []
+    assert {1, 2, 3} <= set(runner.accepted)  # rows accepting none, one and both proposals
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -451,8 +505,8 @@ def test_an_exception_in_output_processing_is_an_internal_error_of_that_request(
 ) -> None:
     token = OutputProcessor.token
 
-    def broken(self: OutputProcessor, sequence, *args: object) -> StopReason | None:
-        if sequence.request_id == "r1" and sequence.output_ids:
+    def broken(self: OutputProcessor, sequence, *args: object) -> bool:
+        if sequence.request_id == "r1" and sequence.output.tokens:
             raise KeyError("a bug")
         return token(self, sequence, *args)
 

@@ -304,7 +304,7 @@ def test_the_sampler_draws_only_allowed_tokens(grammars: Grammars, tokenizer) ->
     logits[:, tokenizer.convert_tokens_to_ids("{")] = 30.0  # what an unconstrained row takes
     for _ in range(20):
         packed = sampling.sample(logits, [0, 1], [True, True])
-        masked, free = (sampling.sampled(row, r).token for row, r in zip(packed, [0, 1], strict=True))
+        masked, free = (sampling.sampled(row, r).tokens[0] for row, r in zip(packed, [0, 1], strict=True))
         assert masked in permitted and free == tokenizer.convert_tokens_to_ids("{")
     sampling.assign(0, hot, seed=0, prompt_ids=[1], logprobs=None)
     assert not sampling.features([0]).masks

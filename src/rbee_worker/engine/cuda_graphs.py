@@ -157,7 +157,7 @@ class DecodeGraphs:
         for i, r in enumerate(rows):
             index = r.position // size
             window = r.window_blocks[index] if r.window_blocks else 0
-            host[:, i] = (r.token, r.position, r.position + 1, r.chained, r.row, index, r.blocks[index], window)
+            host[:, i] = (r.tokens[0], r.position, r.position + 1, r.chained, r.row, index, r.blocks[index], window)
         # The graph sets the new table entries itself: their blocks are zeroed here first (PagedCache.ensure_zeroed).
         self.cache.ensure_zeroed(int(host[BLOCK, :count].max()), int(host[WINDOW_BLOCK, :count].max()))
         self.inputs[:, :width].copy_(self.host_inputs[turn][:, :width], non_blocking=True)

@@ -1,9 +1,8 @@
 """The engine: one thread owns the model runner and the scheduler; callers submit requests and receive events.
 
-Each round of the loop (the step loop of nano-vllm and vLLM v1): take new requests and cancellations from the inbox;
-the scheduler plans the round (engine/scheduler.py); the runner feeds its prompt chunks and its decode step to the
-model and samples on the device (engine/step.py through the Runner protocol of engine/runner.py); the output
-processor turns the chosen tokens into events and ends what is done (engine/output.py). At most `max_batch` requests
+Each round of the loop: take new requests and cancellations from the inbox, then one step of engine/core.py's loop
+(schedule -> execute -> update -> output), and deliver the terminal events of the requests it ended. At most
+`max_batch` requests
 run at once, at most `max_queue` wait: a request beyond both is refused at once (EngineBusy) rather than queued
 without end.
 
@@ -25,16 +24,17 @@ import torch
 
 from rbee_worker.chat.reasoning import ReasoningFormat, detect_reasoning
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.core import EngineCore
 from rbee_worker.engine.detokenizer import Detokenizer, token_texts
 from rbee_worker.engine.grammar import Grammars
 from rbee_worker.engine.mailbox import EventStream, LoopMailbox
-from rbee_worker.engine.output import EngineObserver, Output, OutputProcessor, Sink, send
+from rbee_worker.engine.output import Ended, EngineObserver, send
+from rbee_worker.engine.plan import Output, Sequence, Sink
 from rbee_worker.engine.runner import DeviceFault, Runner
 from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, check_seed
 from rbee_worker.engine.sampling import random_seed
-from rbee_worker.engine.scheduler import Plan, Scheduler, Sequence
-from rbee_worker.engine.step import Steps
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request, StopReason
+from rbee_worker.engine.scheduler import Proposer
+from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request
 from rbee_worker.models.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class EngineBusy(RuntimeError):
 
 class Engine:
     """Runs `load`, makes the model's runner (`runner`: make_runner, or another Runner), and then
-    every step on its own thread.
+    every step on its own thread; `proposer`: tokens proposed for decode rows to verify, where the runner's rows carry
+    several (Capabilities.row_tokens).
 
     The engine owns the model that `load` returns and may change it in place (on a CPU its linear layers are
     swapped for oneDNN-packed ones), so `load` must not hand over a model that is used elsewhere.
@@ -89,12 +90,13 @@ class Engine:
         config: EngineConfig | None = None,
         observer: EngineObserver | None = None,
         runner: Callable[[LoadedModel, EngineConfig], Runner] = make_runner,
+        proposer: Proposer | None = None,
     ) -> None:
         config = config or EngineConfig()
         self.config = config
         self.max_batch, self.max_queue = config.max_batch, config.max_queue
         self._observer = observer
-        self._load, self._make_runner = load, runner
+        self._load, self._make_runner, self._proposer = load, runner, proposer
         self._loaded: LoadedModel | None = None
         self._token_texts: dict[int, str] = {}
         self._vocab_size = 0
@@ -106,9 +108,7 @@ class Engine:
         self._in_flight_lock = threading.Lock()
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
         self._runner: Runner | None = None
-        self._scheduler: Scheduler | None = None
-        self._output: OutputProcessor | None = None
-        self._steps: Steps | None = None
+        self._core: EngineCore | None = None
         self._grammars: Grammars | None = None  # made at the first use (`grammars`)
         self._grammars_lock = threading.Lock()
         self._reasoning: ReasoningFormat | None = None  # detected at load (`reasoning`)
@@ -336,7 +336,7 @@ class Engine:
     @property
     def running_requests(self) -> int:
         """Requests holding one of the max_batch batch rows (the others in flight wait for one)."""
-        return len(self._scheduler.running) if self._scheduler else 0
+        return len(self._core.scheduler.running) if self._core else 0
 
     @property
     def in_flight(self) -> int:
@@ -354,21 +354,21 @@ class Engine:
 
     def kv_cache_usage(self) -> float:
         """The share of the KV block pool that running requests hold; 0 before the model is loaded."""
-        if self._scheduler is None:
+        if self._core is None:
             return 0.0
-        blocks = self._scheduler.blocks
+        blocks = self._core.scheduler.blocks
         return blocks.used_blocks / blocks.capacity
 
     def prefix_cache_tokens(self) -> tuple[int, int]:
         """Prompt tokens looked up in the prefix cache since start, and of them found there."""
-        if self._scheduler is None:
+        if self._core is None:
             return 0, 0
-        return self._scheduler.blocks.queried_tokens, self._scheduler.blocks.hit_tokens
+        return self._core.scheduler.blocks.queried_tokens, self._core.scheduler.blocks.hit_tokens
 
     @property
     def preemptions(self) -> int:
         """Running requests preempted since start (their KV blocks freed for older requests, recomputed later)."""
-        return self._scheduler.preemptions if self._scheduler is not None else 0
+        return self._core.scheduler.preemptions if self._core is not None else 0
 
     def memory_bytes(self) -> int:
         """Measured device memory in use: the weights plus the KV cache (the runner says how it measures them)."""
@@ -390,20 +390,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self._runner = self._make_runner(self._load(), self.config)
-            runner = self._runner
-            capabilities = runner.capabilities
-            self._scheduler = Scheduler(
-                self.config,
-                capabilities.mixed_batches,
-                runner.kv,
-                runner.reuse,
-                capabilities.uniform_rows,
-                capabilities.whole_prompts,
-            )
-            info = self._runner.loaded.info
-            kv_bytes = self._runner.kv.request_bytes
-            self._output = OutputProcessor(info.eos_token_ids, kv_bytes, self._retire, self._observer)
-            self._steps = Steps(self._scheduler, self._runner, self._output)
+            self._core = EngineCore(self._runner, self.config, self._observer, self._proposer)
             self._token_texts = token_texts(self._runner.loaded.tokenizer)
             self._vocab_size = len(self._token_texts)
             if self.config.reasoning_parser == "auto":
@@ -417,45 +404,21 @@ class Engine:
             return
         finally:
             self._ready.set()
+        core = self._core
         try:
             with torch.inference_mode():
-                while self._admit(block=len(self._scheduler) == 0):
-                    self._round(self._scheduler.schedule(self._steps.collect_pending))
+                while self._admit(block=len(core.scheduler) == 0):
+                    self._deliver(core.step())
                     self._last_progress = time.monotonic()
-                self._steps.collect_pending()
+                self._deliver(core.stop())
         except DeviceFault as fault:
             self._stop(str(fault))
             return
-        for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
-            self._output.end(sequence, StopReason.CANCELLED)
+        except Exception as exc:  # a bug in the loop's own bookkeeping: its state is unknown, so it stops as on a fault
+            log.exception("internal error in the engine's step loop")
+            self._stop(f"internal error in the engine's step loop: {exc}")
+            return
         self._runner.close()
-
-    def _round(self, plan: Plan) -> None:
-        """One round of the plan. A failure outside the runner's steps (a bug on the host) ends the round's requests
-        with INTERNAL_ERROR; one that the runner finds has left the device unusable raises DeviceFault."""
-        try:
-            for sequence in plan.abandoned:
-                self._output.end(sequence, StopReason.CANCELLED)
-            for row in plan.preempted:
-                self._runner.evict(row)
-            started = [sequence for sequence in plan.started if not sequence.finished]
-            for sequence in started:
-                request = sequence.request
-                self._runner.assign(sequence.row, request.sampling, sequence.seed, request.prompt_ids, request.logprobs)
-            # Their first tokens are constrained too (compiling a grammar proved that it allows one).
-            if constrained := [(s.row, s.output.grammar) for s in started if s.output.grammar is not None]:
-                self._runner.masks(constrained)
-            self._steps.run(plan)
-        except DeviceFault:
-            raise
-        except Exception as exc:
-            if reason := self._runner.fault(exc):
-                raise DeviceFault(reason) from exc
-            log.exception("internal error in an engine round")
-            for forward in plan.forwards:
-                for sequence in [c.sequence for c in forward.chunks] + forward.decode:
-                    if not sequence.finished:
-                        self._output.fail(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}")
 
     def _stop(self, reason: str) -> None:
         """The device is unusable: every request in flight (running, waiting, in the inbox) ends with an error, and
@@ -464,8 +427,8 @@ class Engine:
         with self._in_flight_lock:
             self._fault = reason
         error = self.fault_message()
-        for sequence in [*self._scheduler.running, *self._scheduler.waiting]:
-            self._output.fail(sequence, ErrorCode.INFERENCE_FAILED, error)
+        assert self._core is not None
+        self._deliver(self._core.fail_all(ErrorCode.INFERENCE_FAILED, error))
         self._end_inbox(ErrorCode.INFERENCE_FAILED, error)
 
     def _end_inbox(self, code: ErrorCode, message: str) -> None:
@@ -480,6 +443,7 @@ class Engine:
 
     def _admit(self, block: bool) -> bool:
         """Take new requests and cancellations from the inbox; False once the engine is closing."""
+        assert self._core is not None
         while True:
             try:
                 item = self._inbox.get(block=block)
@@ -494,20 +458,13 @@ class Engine:
                 raise item
             if isinstance(item, str):
                 # Ended here rather than at its next step: its KV blocks are freed and its id can be reused at once.
-                if sequence := self._scheduler.get(item):
-                    self._output.end(sequence, StopReason.CANCELLED)
+                self._deliver(self._core.cancel(item))
             else:
-                self._scheduler.add(item)
-                self._output.started(item)
+                self._core.add(item)
 
-    def _retire(self, sequence: Sequence, terminal: End | Error) -> None:
-        """A request ended: the scheduler frees its row and blocks, then its id may come again and its caller hears of
-        it."""
-        if self._scheduler is not None:
-            if sequence.row is not None and not sequence.finished:
-                self._runner.release(sequence.row)
-            self._scheduler.free(sequence)
-        self._end(sequence, terminal)
+    def _deliver(self, ended: list[Ended]) -> None:
+        for sequence, terminal in ended:
+            self._end(sequence, terminal)
 
     def _end(self, sequence: Sequence, terminal: End | Error) -> None:
         """Its id may come again, and its caller hears of the request's end."""

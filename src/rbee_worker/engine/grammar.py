@@ -51,6 +51,10 @@ COMPILE_PROCESSES = 2  # grammars compiled at once, each by a process of its own
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+class GrammarRejected(RuntimeError):
+    """A constrained request's token that its grammar does not allow: a bug, since the row's mask rules it out."""
+
+
 class GrammarError(ValueError):
     """A grammar that cannot be compiled: a malformed or unsupported schema, or one no text satisfies. The message
     says why, for the request's caller."""

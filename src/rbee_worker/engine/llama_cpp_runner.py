@@ -318,7 +318,8 @@ class LlamaCppRunner:
                 sampled_rows.append(row.row)
                 sampled_at.append(outputs - 1)
         for row in decodes:
-            self._put(n, row.token, row.position, row.row, True)
+            (token,) = row.tokens  # rows of one token (Capabilities.row_tokens)
+            self._put(n, token, row.position, row.row, True)
             n += 1
             sampled_rows.append(row.row)
             sampled_at.append(outputs)
@@ -345,7 +346,7 @@ class LlamaCppRunner:
             self._computed(row.row, row.start, len(row.token_ids), alone)
         for row in decodes:
             del self._held[row.row][row.position :]
-            self._held[row.row].append(row.token)
+            self._held[row.row].extend(row.tokens)
             self._computed(row.row, row.position, 1, alone)
         logits = self._logits(outputs)
         scored = [

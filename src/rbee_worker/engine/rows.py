@@ -159,7 +159,7 @@ class RowSampling:
     def sampled(self, packed: Sequence[float], row: int) -> Sampled:
         """A row of sampler.pack's layout, on the host, as the batch row's request asked for it."""
         token, valid, logprob, top = unpack(packed, self._logprobs[row])
-        return Sampled(token, valid, None if logprob is None else TokenLogprob(token, logprob, top))
+        return Sampled((token,), valid, () if logprob is None else (TokenLogprob(token, logprob, top),))
 
     def sample(self, logits: torch.Tensor | np.ndarray, rows: list[int], live: list[bool]) -> list[list[float]]:
         """The sampler over these logits (logits row i for batch row rows[i]; `live`: the rows that really decode), at

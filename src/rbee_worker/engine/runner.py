@@ -1,4 +1,4 @@
-"""The Runner protocol: what the step loop (engine/step.py) asks of whatever runs the model, and nothing more.
+"""The Runner protocol: what the executor (engine/executor.py) asks of whatever runs the model, and nothing more.
 
 A runner owns the model, its KV cache and each batch row's sampling state. It takes rows (a request's batch row, its
 block table, the tokens to feed and their positions) and gives back, for each row that samples, the chosen token:
@@ -45,13 +45,15 @@ class PromptRow:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One decode row: `token` fed at `position` of the request in batch row `row`, with its block table; `chained`:
-    take instead the token that the step launched before this one chose for this row, on the device (only where
-    `Runner.chains` allows it); `window_blocks` as PromptRow's."""
+    """One decode row: `tokens` fed at positions `position`.. of the request in batch row `row`, with its block table;
+    the step samples after each of them (a row of several tokens: its last output, then tokens proposed to follow it,
+    verified at once; only where `Capabilities.row_tokens` allows). `chained`: take instead of the first token the one
+    that the step launched before this one chose for this row, on the device (only where `Runner.chains` allows it);
+    `window_blocks` as PromptRow's."""
 
     row: int
     blocks: Sequence[int]
-    token: int
+    tokens: Sequence[int]
     position: int
     chained: bool = False
     window_blocks: Sequence[int] = ()
@@ -59,11 +61,13 @@ class DecodeRow:
 
 @dataclass(frozen=True)
 class Sampled:
-    """A row's outcome, on the host."""
+    """A row's outcome, on the host: the tokens accepted for it (one for a prompt's first token and a row of one
+    token; of a row of several, those its proposals agree with, then the model's own next one), and the
+    log-probability of each where the request asked for them."""
 
-    token: int
+    tokens: tuple[int, ...]
     valid: bool  # False: the logits gave no valid distribution (NaN, +inf, or every token masked)
-    logprob: TokenLogprob | None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class Capabilities:
     uniform_rows: int = 1
     # A prompt runs in one forward, whole (an encoder's attention reads every position of it): never in chunks.
     whole_prompts: bool = False
+    # The most tokens a decode row may carry (DecodeRow.tokens): 1 + the proposals a step verifies.
+    row_tokens: int = 1
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
 """The scheduler: which requests run, which batch row each holds, which KV blocks back each, what each round computes,
 and how far each request has got.
 
-It knows no tensors and no text: the runner turns its plan into forwards and sampled tokens (engine/step.py), the
-output processor turns tokens into events (engine/output.py). Each round (`schedule`): waiting requests take free
+It knows no tensors and no text, and calls no other stage: the executor turns its plan into forwards and sampled
+tokens (engine/executor.py), `update` takes back what they computed, and the output processor turns the tokens into
+events (engine/output.py); engine/core.py runs the four in turn. Each round (`schedule`): waiting requests take free
 batch rows (the lowest first) in arrival order, up to `max_batch` running at once. Then, oldest request first, each
 running request gets its work and the KV blocks for it from the block pool (engine/kv_blocks.py): a request still
 reading its prompt gets a prompt chunk, up to `prefill_chunk` tokens in all per round (its first chunk starts after
-the longest prefix that the prefix cache holds); every other running request decodes one token. Chunks are grouped
+the longest prefix that the prefix cache holds); every other running request decodes: a row of its last token, and
+where a proposer is given and the runner's rows carry several tokens, of the tokens proposed to follow it, whose
+accepted ones it keeps (`update` takes back the rejected tail's positions and blocks). Chunks are grouped
 into forwards; a runner with mixed batches takes the round's chunks and decode rows in one forward. A long prompt
 therefore delays the others' next token by at most one chunk. A runner of `whole_prompts` (an encoder, whose
 attention reads every position of its input) gets each prompt in one chunk: in what is left of the round's budget, or
@@ -48,113 +51,29 @@ the prefix cache serves and keeps only prompt blocks inside whole chunks, which 
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.kv_blocks import BlockPool, BlockTable
-from rbee_worker.engine.output import Output
+from rbee_worker.engine.kv_blocks import BlockPool
+from rbee_worker.engine.plan import (
+    Chunk,
+    Computed,
+    Decode,
+    Drawn,
+    Ending,
+    Executed,
+    Failed,
+    Forward,
+    Generated,
+    Plan,
+    Progress,
+    Sequence,
+)
 from rbee_worker.engine.prompt_cache import common_prefix
-from rbee_worker.engine.runner import KvGeometry
-from rbee_worker.engine.types import Request
+from rbee_worker.engine.runner import Capabilities, KvGeometry
+from rbee_worker.engine.types import ErrorCode, StopReason
 
-
-@dataclass(eq=False)
-class Sequence:
-    """A request admitted to the engine, and how far it has got."""
-
-    request: Request
-    seed: int
-    output: Output  # the output processor's record of it
-    row: int | None = None  # its batch row (sampling state), while it runs
-    table: BlockTable = field(default_factory=BlockTable)  # its KV blocks
-    window_table: BlockTable = field(default_factory=BlockTable)  # its window's, in the sliding layers' own pool
-    cached: int = 0  # tokens whose keys and values are in its blocks: the prompt first, then all but the last output
-    cached_prompt_tokens: int = 0  # prompt tokens that its first chunk found in the prefix cache
-    output_ids: list[int] = field(default_factory=list)  # generated tokens, EOS excluded
-    launched: int = 0  # decode steps launched whose tokens the host has not taken yet (see Steps._decode)
-    looked_up: bool = False  # its first chunk has run, and what it found in the prefix cache is counted
-    finished: bool = False  # ended: its row and blocks are free and its id may come again
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prefill_end(self) -> int:
-        """The tokens to cache before it decodes: its prompt; after a preemption, also all but the last output."""
-        return len(self.request.prompt_ids) + max(len(self.output_ids) - 1, 0)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.cached < self.prefill_end
-
-    @property
-    def scoring(self) -> bool:
-        """Whether its prompt's log-probabilities are asked for (Request.prompt_logprobs) and not all computed yet."""
-        prompt = len(self.request.prompt_ids)
-        return self.request.prompt_logprobs is not None and len(self.output.prompt_logprobs) < prompt - 1
-
-    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
-        """Its tokens [start, end): the prompt's, then the generated ones."""
-        prompt = self.request.prompt_ids
-        if end <= len(prompt):
-            return prompt[start:end]
-        return (*prompt[start:], *self.output_ids[max(start - len(prompt), 0) : end - len(prompt)])
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens [start, start + count) of a sequence's prompt (after a preemption, of its prompt and output), fed in one
-    forward."""
-
-    sequence: Sequence
-    start: int
-    count: int
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.sequence.token_ids(self.start, self.start + self.count)
-
-    @property
-    def samples(self) -> bool:
-        """Whether the chunk ends a prompt and a token follows (after a preemption the last output follows; with
-        max_tokens 0 none does)."""
-        return self.ends_prompt and self.sequence.request.max_tokens > 0
-
-    @property
-    def ends_prompt(self) -> bool:
-        """Whether the chunk computes the prompt's last token, for the first time (not again after a preemption)."""
-        return not self.sequence.output_ids and self.start + self.count == self.sequence.prefill_end
-
-    @property
-    def targets(self) -> tuple[int, ...]:
-        """Where its sequence is scoring: the prompt's tokens after the chunk's positions (after its last one, but
-        for the prompt's last token, which the first output follows)."""
-        if not self.sequence.scoring:
-            return ()
-        prompt = self.sequence.request.prompt_ids
-        return prompt[self.start + 1 : min(self.start + self.count + 1, len(prompt))]
-
-
-@dataclass(frozen=True)
-class Forward:
-    """One forward of a round: prompt chunks, decode rows (one token for each sequence), or, for a runner with mixed
-    batches, both."""
-
-    chunks: list[Chunk]
-    decode: list[Sequence]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One round: the sequences that took a batch row (their sampling state goes there first), those whose caller is
-    gone (to end as cancelled), the rows of those preempted (whatever the runtime keeps for them beyond their blocks
-    goes), then the forwards in order, decode rows last."""
-
-    started: list[Sequence]
-    abandoned: list[Sequence]
-    preempted: list[int]
-    forwards: list[Forward]
+# Tokens proposed to follow a sequence's last one (speculative decoding), as many as the proposer has up to `limit`.
+Proposer = Callable[[Sequence, int], tuple[int, ...]]
 
 
 class Scheduler:
@@ -164,17 +83,21 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        mixed_batches: bool,
+        capabilities: Capabilities,
         kv: KvGeometry,
+        eos_ids: frozenset[int] = frozenset(),
         reuse: Callable[[int, tuple[int, ...], int], int] | None = None,
-        uniform_rows: int = 1,
-        whole_prompts: bool = False,
+        proposer: Proposer | None = None,
     ) -> None:
-        """`uniform_rows`, `whole_prompts`: the runner's Capabilities (see the module docstring)."""
+        """`capabilities`: the runner's (see the module docstring); `eos_ids`: the tokens that end a sequence;
+        `proposer`: tokens proposed for a decode row to verify, where the runner's rows carry several."""
         self.config = config
-        self.whole_prompts = whole_prompts
-        self.uniform_rows = 1 if config.deterministic else uniform_rows
-        self.mixed_batches = mixed_batches and not config.deterministic
+        self.whole_prompts = capabilities.whole_prompts
+        self.uniform_rows = 1 if config.deterministic else capabilities.uniform_rows
+        self.mixed_batches = capabilities.mixed_batches and not config.deterministic
+        self.eos_ids = eos_ids
+        self.proposer = proposer if capabilities.row_tokens > 1 else None
+        self.row_tokens = capabilities.row_tokens
         self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
         # The sliding layers' pool of windows (KvGeometry.window_blocks), where a sequence holds its last positions.
         self.window = kv.window or 0
@@ -190,7 +113,10 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         self._free_rows = list(range(config.max_batch))
         self.preemptions = 0
-        self._preempted: list[int] = []  # rows of the sequences preempted while planning this round
+        self._preempted: list[Sequence] = []  # the sequences preempted while planning this round
+        self._abandoned: list[Sequence] = []  # sequences whose caller is gone, to end as cancelled
+        # Sequences preempted with a token in flight: its row's keys and values went with their blocks.
+        self._settling: set[Sequence] = set()
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -203,49 +129,59 @@ class Scheduler:
         """Sequences admitted and not finished: running and waiting."""
         return len(self._by_id)
 
-    def schedule(self, settle: Callable[[], None] = lambda: None) -> Plan:
-        """This round's work; waiting sequences take free rows. `settle` takes the tokens of the decode step still
-        in flight: called before a preemption, since a preempted sequence must have no token on its way."""
+    def schedule(self) -> Plan:
+        """This round's work; waiting sequences take free rows."""
         started = []
         while self.waiting and self._free_rows:
             sequence = self.waiting.popleft()
             sequence.row = self._free_rows.pop(self._free_rows.index(min(self._free_rows)))
             self.running.append(sequence)
             started.append(sequence)
-        abandoned = [s for s in self._by_id.values() if s.output.undeliverable]
+        self._abandoned = [s for s in self._by_id.values() if s.output.undeliverable]
         chunks: list[Chunk] = []
-        decoding: list[Sequence] = []
+        decoding: list[Decode] = []
         budget = self.config.prefill_chunk
         for sequence in list(self.running):
-            if sequence.finished or sequence.output.undeliverable or sequence.row is None:
+            if sequence.output.undeliverable:
                 continue
             if sequence.prefilling:
-                chunk = self._chunk(sequence, budget, settle)
+                chunk = self._chunk(sequence, budget)
                 if chunk is None:
                     continue
                 budget -= chunk.count
                 chunks.append(chunk)
-            elif self._room(sequence, sequence.cached + sequence.launched + 1, settle):
-                decoding.append(sequence)
-        # A settle (before a preemption) may have ended some.
-        abandoned = [s for s in abandoned if not s.finished]
-        decoding = [s for s in decoding if not s.finished and not s.prefilling]
-        chunks = [c for c in chunks if not c.sequence.finished]
+            elif self.wants_token(sequence) and (decode := self._decode(sequence)):
+                decoding.append(decode)
         if self.mixed_batches:
             forwards = [Forward(chunks, decoding)] if chunks or decoding else []
         else:
             forwards = [Forward(group, []) for group in self._group(chunks)]
             if self.config.deterministic:
-                forwards += [Forward([], [sequence]) for sequence in decoding]
+                forwards += [Forward([], [decode]) for decode in decoding]
             elif decoding:
                 forwards.append(Forward([], decoding))
         preempted, self._preempted = self._preempted, []
-        return Plan(started, abandoned, preempted, forwards)
+        return Plan(preempted, started, forwards)
 
-    def _chunk(self, sequence: Sequence, budget: int, settle: Callable[[], None]) -> Chunk | None:
+    def _decode(self, sequence: Sequence) -> Decode | None:
+        """The sequence's decode row (its last token, after the one in flight where a row of it is, then what the
+        proposer proposes), its blocks taken; None when it was preempted for want of them."""
+        position = sequence.cached + sequence.launched
+        draft: tuple[int, ...] = ()
+        if self.proposer is not None and not sequence.launched:  # positions after a row in flight are not known
+            limit = min(self.row_tokens - 1, sequence.request.max_tokens - len(sequence.output_ids) - 1)
+            draft = self.proposer(sequence, limit)[:limit] if limit > 0 else ()
+        if not self._room(sequence, position + 1 + len(draft)):
+            return None
+        decode = Decode(sequence, position, sequence.launched > 0, draft)
+        sequence.launched += 1
+        return decode
+
+    def _chunk(self, sequence: Sequence, budget: int) -> Chunk | None:
         """The sequence's next prompt chunk within `budget` tokens, its blocks taken; None when it waits (no budget
-        left, or too few blocks even after preempting newer requests)."""
-        if budget <= 0:
+        left, or too few blocks even after preempting newer requests, or a preempted sequence's token is still in
+        flight: its tokens are not all known)."""
+        if budget <= 0 or sequence.launched:
             return None
         chunk_size = self.config.prefill_chunk
         rows = self.uniform_rows
@@ -271,7 +207,7 @@ class Scheduler:
                 return None
         if 0 < left - count < rows <= left - rows:  # the prompt's last chunk is not left short of uniform_rows
             count = left - rows
-        if not self._room(sequence, sequence.cached + count, settle, wait=True):
+        if not self._room(sequence, sequence.cached + count, wait=True):
             if self.config.deterministic or self.whole_prompts:
                 return None
             # As much of the chunk as its blocks and the free ones hold.
@@ -325,13 +261,13 @@ class Scheduler:
             sequence.cached = found
             return
         assert sequence.row is not None
-        if sequence.row in self._preempted:  # its runtime memory goes when this round starts (Runner.evict)
+        if sequence in self._preempted:  # its runtime memory goes when this round starts (Runner.evict)
             return
         found = self._reuse(sequence.row, tokens, limit)
         # The runtime's cells are its own; the pool accounts for them as the sequence's blocks.
         sequence.cached = found if self.blocks.grow(sequence.table, found) else 0
 
-    def _room(self, sequence: Sequence, tokens: int, settle: Callable[[], None], wait: bool = False) -> bool:
+    def _room(self, sequence: Sequence, tokens: int, wait: bool = False) -> bool:
         """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.
         A decode row that finds none preempts its own sequence; a prompt chunk (`wait`) then waits instead."""
         while not self._grow(sequence, tokens):
@@ -340,11 +276,9 @@ class Scheduler:
             )
             if victim is None or self.running.index(victim) < self.running.index(sequence):
                 if not wait:
-                    self._preempt(sequence, settle)
+                    self._preempt(sequence)
                 return False
-            self._preempt(victim, settle)
-            if sequence.finished:
-                return False
+            self._preempt(victim)
         return True
 
     def _grow(self, sequence: Sequence, tokens: int) -> bool:
@@ -364,16 +298,16 @@ class Scheduler:
         if self.windows is not None:
             self.windows.release(sequence.window_table)
 
-    def _preempt(self, sequence: Sequence, settle: Callable[[], None]) -> None:
-        """The sequence lets go of its blocks and reads its tokens again later; its row and sampling state stay."""
+    def _preempt(self, sequence: Sequence) -> None:
+        """The sequence lets go of its blocks and reads its tokens again later; its row and sampling state stay. A
+        token of it in flight is taken first (the executor settles the step before the runtime lets go of it), and
+        appended when it comes (`update`)."""
         if sequence.launched:
-            settle()
-        if sequence.finished:
-            return
+            self._settling.add(sequence)
         self._release(sequence)
         sequence.cached = 0
         self.preemptions += 1
-        self._preempted.append(sequence.row)
+        self._preempted.append(sequence)
 
     def _group(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Chunks of several requests share a forward while their rows, padded to the longest chunk, hold at most
@@ -391,15 +325,78 @@ class Scheduler:
             groups.append(group)
         return groups
 
-    def computed(self, chunks: list[Chunk], decoded: list[Sequence]) -> None:
-        """A forward put these chunks' and these decode rows' keys and values in their sequences' blocks; the full
-        blocks among them join the prefix cache."""
-        for chunk in chunks:
-            chunk.sequence.cached += chunk.count
-            self._register(chunk.sequence)
-        for sequence in decoded:
-            sequence.cached += 1
-            self._register(sequence)
+    def update(self, executed: Executed) -> Progress:
+        """What the executor computed, taken in order: each chunk's and each decode row's positions are cached (the
+        full blocks among them join the prefix cache, a row's rejected tail goes back), each sampled token is the
+        sequence's, up to EOS or max_tokens; what the output processor is to make of it, in the same order, the
+        sequences whose caller is gone first (to end as cancelled)."""
+        progress: Progress = [Ending(s, StopReason.CANCELLED) for s in self._abandoned]
+        # Sequences this update ends: their tokens that come after are thrown away (a later row of theirs in the same
+        # step, a mixed forward's after the step in flight was taken, is computed and thrown away, as a chained row is).
+        ended: set[Sequence] = set(self._abandoned)
+        self._abandoned = []
+        for item in executed:
+            if isinstance(item, Computed):
+                sequence = item.chunk.sequence
+                if sequence.finished or sequence in ended:
+                    continue
+                sequence.cached += item.chunk.count
+                self._register(sequence)
+                progress.append(item)
+                if item.chunk.ends_prompt and not item.chunk.samples:  # a request for its prompt only ends with it
+                    progress.append(Ending(sequence, StopReason.MAX_TOKENS))
+                    ended.add(sequence)
+            elif isinstance(item, Drawn):
+                if item.decode is not None:
+                    item.sequence.launched -= 1
+                if item.sequence.finished or item.sequence in ended:
+                    continue
+                outcome = self._drawn(item)
+                progress.append(outcome)
+                if isinstance(outcome, Failed) or outcome.stop is not None:
+                    ended.add(item.sequence)
+            elif not item.sequence.finished and item.sequence not in ended:
+                progress.append(item)
+                ended.add(item.sequence)
+        return progress
+
+    def _drawn(self, drawn: Drawn) -> Generated | Failed:
+        """A running sequence's sampled tokens (see `update`)."""
+        sequence, sampled, decode = drawn.sequence, drawn.sampled, drawn.decode
+        if decode is not None:
+            if sequence in self._settling:  # preempted: its row's keys and values went with its blocks
+                if not sequence.launched:
+                    self._settling.discard(sequence)
+            else:
+                sequence.cached += len(sampled.tokens)  # its fed positions up to the last token accepted
+                if decode.draft:  # the rejected tail's positions and blocks go back
+                    self._shorten(sequence, sequence.cached + sequence.launched)
+                self._register(sequence)
+        if not sampled.valid:
+            message = "inference failed: the model's logits give no valid choice"
+            return Failed(sequence, ErrorCode.INFERENCE_FAILED, message)
+        if isinstance(drawn.grammar, Exception):
+            return Failed(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {drawn.grammar}")
+        tokens: list[int] = []
+        stop = None
+        for token in sampled.tokens:
+            tokens.append(token)
+            if token in self.eos_ids and not sequence.request.ignore_eos:
+                stop = StopReason.EOS
+                break
+            sequence.output_ids.append(token)
+            if len(sequence.output_ids) >= sequence.request.max_tokens:
+                stop = StopReason.MAX_TOKENS
+                break
+        logprobs = sampled.logprobs[: len(tokens)]
+        return Generated(sequence, tuple(tokens), logprobs, drawn.grammar, stop)
+
+    def _shorten(self, sequence: Sequence, tokens: int) -> None:
+        """The sequence keeps the blocks of its first `tokens` positions (in the pool of windows, of those of them it
+        holds)."""
+        self.blocks.shorten(sequence.table, tokens)
+        if self.windows is not None:
+            self.windows.shorten(sequence.window_table, tokens)
 
     def _register(self, sequence: Sequence) -> None:
         if not self.blocks.prefix_caching:
@@ -415,30 +412,28 @@ class Scheduler:
             if computed >= first + pool.block_size:
                 pool.register(table, sequence.token_ids(first, computed))
 
-    def append(self, sequence: Sequence, token: int) -> bool:
-        """A generated token (not EOS) of the sequence; True when it is the last that max_tokens allows."""
-        sequence.output_ids.append(token)
-        return len(sequence.output_ids) >= sequence.request.max_tokens
-
     def wants_token(self, sequence: Sequence) -> bool:
-        """Whether the sequence runs, holds its blocks, and needs a token beyond those already launched."""
+        """Whether the sequence runs, has read its prompt, and needs a token beyond those in flight."""
         return (
             not sequence.finished
             and not sequence.prefilling
             and len(sequence.output_ids) + sequence.launched < sequence.request.max_tokens
         )
 
-    def free(self, sequence: Sequence) -> None:
-        """The sequence has ended: its row and blocks are free for the next, its id may come again."""
+    def free(self, sequence: Sequence) -> int | None:
+        """The sequence has ended: its row and blocks are free for the next, its id may come again. The row it held,
+        if it ran."""
         if sequence.finished:
-            return
+            return None
         sequence.finished = True
         del self._by_id[sequence.request_id]
         if sequence.row is None:
             self.waiting.remove(sequence)
-            return
+            return None
+        row, sequence.row = sequence.row, None
         self.running.remove(sequence)
-        self._free_rows.append(sequence.row)
+        self._free_rows.append(row)
         self._release(sequence)
-        sequence.row = None
+        self._settling.discard(sequence)
         sequence.cached = 0
+        return row

@@ -304,7 +304,7 @@ class TorchRunner:
         )
         position_ids = torch.tensor([r.position for r in rows], device=self.device)[:, None]
         lengths = torch.tensor([r.position + 1 for r in rows], device=self.device)
-        tokens = torch.tensor([r.token for r in rows], device=self.device)[:, None]
+        tokens = torch.tensor([r.tokens[0] for r in rows], device=self.device)[:, None]
         if self.device.type == "cuda":
             self.cache.prepare(batch_rows, position_ids, 0, "paged")
             mask = torch.zeros(len(rows), 1, 1, 1, dtype=self.dtype, device=self.device)
@@ -405,7 +405,7 @@ class TorchRunner:
                     )
         if self._compile and not graphs:
             for count in range(1, rows + 1):
-                self._decode_step([DecodeRow(row, scratch, 0, 32) for row in range(count)])
+                self._decode_step([DecodeRow(row, scratch, (0,), 32) for row in range(count)])
         if self.device.type == "cuda":
             count = min(self.config.max_batch, WARM_PROMPT_ROWS)
             warm = [PromptRow(row, scratch, [0] * WARM_PROMPT_TOKENS, 0, False) for row in range(count)]
