@@ -16,8 +16,9 @@ from serving import running
 from test_load_errors import assert_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rbee_worker.cli.choices import check_runtime_flags, runtime_for
+from rbee_worker.cli.choices import check_runtime_flags, resolve_model
 from rbee_worker.cli.flags import build_parser
+from rbee_worker.devices import Placement
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 NEW_TOKENS = 64
@@ -105,9 +106,9 @@ def test_defaults_and_what_llama_cpp_does_anyway_are_not_refused(flags: tuple[st
 @pytest.mark.parametrize(
     ("flags", "runtime"),
     [
-        ((), "auto"),
+        ((), "llama.cpp"),
         (("--runtime", "llama.cpp"), "llama.cpp"),
-        (("--no-compile", "--threads", "2", "--deterministic"), "auto"),
+        (("--no-compile", "--threads", "2", "--deterministic"), "llama.cpp"),
         (("--dtype", "bfloat16"), "torch"),
         (("--quantize", "none"), "torch"),
         (("--compile",), "torch"),
@@ -119,7 +120,7 @@ def test_auto_picks_torch_for_a_flag_only_torch_honours(
 ) -> None:
     args = build_parser().parse_args(["serve", "--model", str(demo_gguf), *flags])
     with caplog.at_level(logging.INFO, logger="rbee_worker"):
-        assert runtime_for(args, CPU) == runtime
+        assert resolve_model(args, Placement(CPU, torch.float32)).runtime == runtime
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("runtime: ")]
     if runtime == "torch" and "--runtime" not in flags:
         assert len(reasons) == 1 and "was given and the llama.cpp runtime" in reasons[0], reasons
@@ -132,7 +133,7 @@ def test_auto_logs_no_reason_where_it_picks_torch_anyway(demo_hf_dir: Path, capl
     for model, device in ((str(demo_hf_dir), CPU), ("demo", torch.device("cuda"))):
         args = build_parser().parse_args(["generate", "--model", model, "--prompt", "hi", "--dtype", "float32"])
         with caplog.at_level(logging.INFO, logger="rbee_worker"):
-            assert runtime_for(args, device) == "torch"
+            assert resolve_model(args, Placement(device, torch.float32)).runtime == "torch"
     assert [r for r in caplog.records if r.getMessage().startswith("runtime: ")] == []
 
 

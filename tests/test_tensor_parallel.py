@@ -38,11 +38,11 @@ from test_architectures import SPREAD
 from test_load_errors import assert_error
 from transformers import AutoModelForCausalLM
 
-from rbee_worker.cli.choices import quantize_for, runtime_for
+from rbee_worker.cli.choices import resolve_model
 from rbee_worker.cli.flags import build_parser
 from rbee_worker.devices import Placement
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.loader import load_model, read_model_config
+from rbee_worker.models.loader import load_model, probe_model, read_model_config
 from rbee_worker.models.tensor_parallel import VocabShard, check_divisible
 
 PROMPTS = [
@@ -279,7 +279,7 @@ def test_the_vocabulary_splits_into_padded_shards() -> None:
 
 
 def test_a_model_that_does_not_split_is_refused_naming_its_sizes() -> None:
-    config, name = read_model_config("demo")
+    config, name = read_model_config(probe_model("demo", Placement(CPU, torch.float32)))
     with pytest.raises(ModelLoadError) as refused:
         check_divisible(config, 2, name)
     message = str(refused.value)
@@ -312,8 +312,8 @@ def test_llama_cpp_runtime_with_tensor_parallel_exits_2() -> None:
 def test_auto_runtime_picks_torch_and_float_weights_under_tensor_parallel() -> None:
     args = build_parser().parse_args(["serve", "--model", "demo", "--tp", "3"])
     assert args.tensor_parallel == 3
-    assert runtime_for(args, CPU) == "torch"
-    assert quantize_for(args, Placement(CPU, torch.bfloat16)) == "none"
+    model = resolve_model(args, Placement(CPU, torch.bfloat16))
+    assert (model.runtime, model.quantize) == ("torch", "none")
 
 
 def served_alone_and_split(model: str, world: int, tmp_path: Path) -> tuple[list[list[str]], list[list[str]]]:

@@ -70,8 +70,8 @@ def test_each_local_rank_takes_its_listed_device() -> None:
 
 
 def test_the_world_spreads_over_the_nodes() -> None:
-    topology = Topology(6, "tcp://10.0.0.1:29500", nnodes=2, node_rank=1)
-    assert (topology.per_node, topology.first) == (3, 3)
+    topology = Topology(6, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+    assert (topology.per_node, topology.first, topology.init_method) == (3, 3, "tcp://10.0.0.1:29500")
     assert [topology.remote(rank) for rank in range(6)] == [False] * 3 + [True] * 3
 
 

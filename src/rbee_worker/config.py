@@ -1,23 +1,20 @@
-"""`rbee-worker serve`'s settings: one object, built once from the command line and read where each one applies."""
+"""`rbee-worker serve`'s settings: one object, resolved once from the command line (cli/serve.py resolve) and read as
+it is by the server, the loader, the tensor-parallel ranks and the HTTP routes."""
 
 from dataclasses import dataclass
 
-from rbee_worker.devices import Placement
 from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.tp_messages import Topology
+from rbee_worker.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """The engine's settings as they are handed to it, and the rest: what to load, how to serve, whom to tell."""
+    """The engine's settings as they are handed to it, the model as probed, and the rest: how to serve, whom to tell,
+    where the ranks run."""
 
     engine: EngineConfig
-    # The model.
-    model: str  # MODEL as given: a directory, a .gguf file, a hub id or `demo`
-    placement: Placement
-    quantize: str  # auto | none | int8 | int4
-    runtime: str  # auto | torch | llama.cpp (models/loader.py resolve_runtime)
-    max_context: int | None  # None: the model's own context
-    chat_template: str | None  # None: the model's own
+    model: ModelSpec  # what to load and how: its path, format, runtime, quantization, placement, context, template
     # The HTTP server.
     host: str  # for the URL reported to the pool manager; the socket is bound by the caller
     api_token: str | None  # LLORCH_API_TOKEN: when set, every route but GET /health needs it
@@ -34,15 +31,8 @@ class WorkerConfig:
     callback_timeout_s: float
     heartbeat_url: str | None
     heartbeat_interval_s: float
-    # Tensor parallelism (engine/tp_ranks.py): the model split over this many processes in all, spread evenly
-    # over `nnodes` nodes (this one is `node_rank`: 0 serves HTTP, the others only run their ranks), joined at
-    # master_addr:master_port (None: a free port, on one node); `devices`: each local rank's CUDA device index (None:
-    # from placement's index upward). Their logs as rank 0's.
-    tensor_parallel: int = 1
-    devices: tuple[int, ...] | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
+    # Tensor parallelism (engine/tp_ranks.py): the model split over topology.world processes, spread over its nodes
+    # (this one's node_rank 0 serves HTTP, the others only run their ranks). Their logs as rank 0's.
+    topology: Topology
     log_level: str = "info"
     log_format: str | None = None

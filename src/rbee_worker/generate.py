@@ -8,23 +8,23 @@ import logging
 import sys
 
 from rbee_worker.api.requests import sampling_params
-from rbee_worker.cli.choices import quantize_for, runtime_for
+from rbee_worker.cli.choices import resolve_model
 from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.types import End, Error, ErrorCode, Request, Token
 from rbee_worker.errors import GenerationError
 from rbee_worker.models.loaded import LoadedModel
-from rbee_worker.models.loader import load_model
+from rbee_worker.models.loader import load_spec
 
 log = logging.getLogger("rbee_worker")
 
 
 def generate(args: argparse.Namespace) -> int:
-    """Load the model, run the prompt, print the text as it comes (or one JSON object with --json); raises
-    GenerationError for a request the engine refuses or fails."""
+    """Load the model (probed once: cli/choices.py resolve_model), run the prompt, print the text as it comes (or one
+    JSON object with --json); raises GenerationError for a request the engine refuses or fails."""
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
-    runtime, quantize = runtime_for(args, placement.device), quantize_for(args, placement)
+    model = resolve_model(args, placement)
 
     prompt: tuple[int, ...] = ()  # --prompt's token ids, made once by `load`
 
@@ -32,7 +32,7 @@ def generate(args: argparse.Namespace) -> int:
         """The model with its context cut to this request (the prompt and --max-tokens, at most the model's own), so
         that the KV block pool holds what the request needs and no more."""
         nonlocal prompt
-        loaded = load_model(args.model, placement, quantize=quantize, runtime=runtime)
+        loaded = load_spec(model)
         prompt = prompt_ids(loaded, args)
         needed = len(prompt) + args.max_tokens
         info = dataclasses.replace(loaded.info, context_length=min(loaded.info.context_length, needed))

@@ -42,7 +42,7 @@ from rbee_worker.engine.runner import DeviceFault
 from rbee_worker.errors import RegistrationError
 from rbee_worker.listener import advertised_url
 from rbee_worker.models.loaded import LoadedModel
-from rbee_worker.models.loader import load_model
+from rbee_worker.models.loader import load_spec
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.pool import HeartbeatStatus, ReadyPayload, heartbeat_loop, send_heartbeat, send_ready_callback
 
@@ -145,17 +145,9 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     metrics = Metrics()
 
     def load() -> LoadedModel:
-        return load_model(
-            config.model,
-            config.placement,
-            progress,
-            config.max_context,
-            config.chat_template,
-            config.quantize,
-            config.runtime,
-        )
+        return load_spec(config.model, progress)
 
-    if config.tensor_parallel > 1:
+    if config.topology.world > 1:
         from rbee_worker.engine.tp_ranks import start_ranks  # torch.distributed: imported where it is used
 
         ranks = start_ranks(config)

@@ -58,7 +58,7 @@ class WorkerState:
         /v1/models and request checks never see MODEL in its place); MODEL as given before that."""
         if self.config.model_ref is not None:
             return self.config.model_ref
-        return self.engine.loaded.info.name if self.engine.is_loaded else self.config.model
+        return self.engine.loaded.info.name if self.engine.is_loaded else self.config.model.name
 
     @property
     def model_name(self) -> str:
@@ -75,7 +75,7 @@ class WorkerState:
         users expect."""
         own = (self.engine.loaded.info.name,) if self.engine.is_loaded else ()
         model_ref = (self.config.model_ref,) if self.config.model_ref is not None else ()
-        names = (self.model_name, *self.config.served_model_names, self.config.model, *model_ref, *own)
+        names = (self.model_name, *self.config.served_model_names, self.config.model.name, *model_ref, *own)
         return tuple(dict.fromkeys(names))
 
     def condition(self) -> str:

@@ -1,5 +1,6 @@
-"""What the flags pick that depends on the model and device: the runtime (torch or llama.cpp, and the flags only
-torch honours), the quantization to load with, and whether the model runs through torch.compile."""
+"""What the flags pick that depends on the model and device: the model probed with the runtime (torch or llama.cpp,
+and the flags only torch honours) and the quantization to load with, and whether the model runs through
+torch.compile."""
 
 import argparse
 import logging
@@ -8,9 +9,8 @@ from typing import TYPE_CHECKING
 from rbee_worker.cli.exits import EXIT_USAGE, fail
 
 if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
-    import torch
-
     from rbee_worker.devices import Placement
+    from rbee_worker.models.spec import ModelSpec
 
 log = logging.getLogger("rbee_worker")
 
@@ -57,41 +57,42 @@ def check_runtime_flags(args: argparse.Namespace) -> None:
     fail(f"{'; '.join(conflicts)}; drop {names} or use --runtime torch", EXIT_USAGE)
 
 
-def runtime_for(args: argparse.Namespace, device: "torch.device") -> str:
-    """The --runtime to load with: under `auto`, torch where a flag that only torch honours is given, logged with the
-    reason where `auto` alone would pick the llama.cpp runtime for this model and device."""
-    given = torch_only_flags(args)
-    if args.runtime != "auto" or not given:
-        return args.runtime
-    from rbee_worker.models.loader import auto_runtime, names_gguf
+def resolve_model(
+    args: argparse.Namespace,
+    placement: "Placement",
+    max_context: int | None = None,
+    chat_template: str | None = None,
+) -> "ModelSpec":
+    """MODEL as the flags ask for it, probed once (models/loader.py probe_model: its path and format, the runtime,
+    never `auto`, and the quantization it loads with). Under --runtime auto, a flag that only torch honours picks
+    torch; under --quantize auto, --tensor-parallel or an explicit --dtype other than the one the int4 / int8 kernels
+    compute in (bfloat16) loads every weight in that dtype (`none`) instead of keeping a GGUF file's quantized
+    matrices. Each such choice is logged with its reason where it changes what `auto` alone picks for this model."""
+    from rbee_worker.models.dequant import KERNEL_DTYPE
+    from rbee_worker.models.loader import auto_runtime, probe_model
 
-    if auto_runtime(names_gguf(args.model), device) == "llama.cpp":
+    given = torch_only_flags(args)
+    runtime = "torch" if args.runtime == "auto" and given else args.runtime
+    tensor_parallel = getattr(args, "tensor_parallel", 1) > 1  # a `serve` flag
+    explicit_dtype = args.dtype != "auto" and placement.dtype != KERNEL_DTYPE
+    float_weights = args.quantize == "auto" and (tensor_parallel or explicit_dtype)
+    quantize = "none" if float_weights else args.quantize
+    spec = probe_model(
+        args.model, placement, runtime=runtime, quantize=quantize, max_context=max_context, chat_template=chat_template
+    )
+    if runtime != args.runtime and auto_runtime(spec.gguf, placement.device) == "llama.cpp":
         reasons = "; ".join(f"{flag} was given and the llama.cpp runtime {why}" for flag, why in given.items())
         log.info("runtime: torch, because %s", reasons)
-    return "torch"
-
-
-def quantize_for(args: argparse.Namespace, placement: "Placement") -> str:
-    """The --quantize to load with: under `auto`, an explicit --dtype other than the one the int4 / int8 kernels compute
-    in (bfloat16) loads every weight in that dtype (`none`) instead of keeping a GGUF file's quantized matrices, logged
-    with the reason for a GGUF file."""
-    from rbee_worker.models.dequant import KERNEL_DTYPE
-    from rbee_worker.models.loader import names_gguf
-
-    if args.quantize == "auto" and getattr(args, "tensor_parallel", 1) > 1:
-        if names_gguf(args.model):
-            log.info("quantize: none, because --tensor-parallel keeps quantized weights only with --quantize int4|int8")
-        return "none"
-    if args.quantize != "auto" or args.dtype == "auto" or placement.dtype == KERNEL_DTYPE:
-        return args.quantize
-    if names_gguf(args.model):
+    if float_weights and spec.gguf and tensor_parallel:
+        log.info("quantize: none, because --tensor-parallel keeps quantized weights only with --quantize int4|int8")
+    elif float_weights and spec.gguf:
         kernels = str(KERNEL_DTYPE).removeprefix("torch.")
         log.info(
             "quantize: none, because --dtype %s was given and the int4 / int8 kernels compute in %s",
             args.dtype,
             kernels,
         )
-    return "none"
+    return spec
 
 
 def compile_model(placement: "Placement", args: argparse.Namespace) -> bool:

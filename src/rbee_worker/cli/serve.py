@@ -1,5 +1,6 @@
-"""`rbee-worker serve`: its flags checked (usage errors before anything loads), the worker's settings made of them,
-and the serving started: HTTP on node 0, only the ranks on a node of a higher --node-rank."""
+"""`rbee-worker serve`: its flags checked (usage errors before anything loads), the worker's settings resolved from
+them once (`resolve`), and the serving started with them: HTTP on node 0, only the ranks on a node of a higher
+--node-rank."""
 
 import argparse
 import logging
@@ -8,13 +9,14 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rbee_worker.cli.choices import check_runtime_flags, compile_model, quantize_for, runtime_for
+from rbee_worker.cli.choices import check_runtime_flags, compile_model, resolve_model
 from rbee_worker.cli.exits import EXIT_USAGE, exit_at_once, fail
 
 if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
     from rbee_worker.config import WorkerConfig
     from rbee_worker.devices import Placement
     from rbee_worker.engine.config import EngineConfig
+    from rbee_worker.models.spec import ModelSpec
 
 log = logging.getLogger("rbee_worker")
 
@@ -41,38 +43,31 @@ def run_serve(args: argparse.Namespace) -> int:
     # through SystemExit: raised in the middle of an import, transformers' lazy modules turn it into an import error.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: exit_at_once(0))
-    from rbee_worker.models.loader import check_runtime
     from rbee_worker.server import serve
 
-    placement, devices = serve_placement(args)
-    check_runtime(args.runtime, placement.device)
-    if args.tensor_parallel > 1:
-        check_tensor_parallel(args, placement)
-    config = worker_config(args, placement, devices, token, chat_template)
-    serve(config, sock)
+    serve(resolve(args, token, chat_template), sock)
     # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
     # during which it restores the default signal handlers: a second Ctrl-C then would kill the process.
     exit_at_once(0)
 
 
-def worker_config(
-    args: argparse.Namespace,
-    placement: "Placement",
-    devices: tuple[int, ...] | None,
-    token: str | None = None,
-    chat_template: str | None = None,
-) -> "WorkerConfig":
-    """The worker's settings from `serve`'s checked flags (on a node of a higher --node-rank, what its ranks read)."""
+def resolve(args: argparse.Namespace, token: str | None = None, chat_template: str | None = None) -> "WorkerConfig":
+    """The worker's settings from `serve`'s flags, each resolved and checked once, before anything loads (one-line
+    usage errors, exit 2): this node's placement and --devices, the model probed once (cli/choices.py resolve_model:
+    its path, format, runtime and quantization), under --tensor-parallel what it cannot split or run, and the engine's
+    settings. On a node of a higher --node-rank, what its ranks read."""
     from rbee_worker.config import WorkerConfig
+    from rbee_worker.engine.tp_messages import Topology
 
+    placement, devices = serve_placement(args)
+    master_port = args.master_port or (DEFAULT_MASTER_PORT if args.nnodes > 1 else None)
+    topology = Topology(args.tensor_parallel, args.nnodes, args.node_rank, devices, args.master_addr, master_port)
+    model = resolve_model(args, placement, args.max_context, chat_template)
+    if topology.world > 1:
+        check_tensor_parallel(args, model)
     return WorkerConfig(
         engine=engine_config(args, placement),
-        model=args.model,
-        placement=placement,
-        quantize=quantize_for(args, placement),
-        runtime=runtime_for(args, placement.device),
-        max_context=args.max_context,
-        chat_template=chat_template,
+        model=model,
         host=args.host,
         api_token=token,
         model_ref=args.model_ref,
@@ -87,12 +82,7 @@ def worker_config(
         callback_timeout_s=args.callback_timeout,
         heartbeat_url=args.heartbeat_url,
         heartbeat_interval_s=args.heartbeat_interval,
-        tensor_parallel=args.tensor_parallel,
-        devices=devices,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port or (DEFAULT_MASTER_PORT if args.nnodes > 1 else None),
+        topology=topology,
         log_level=args.log_level,
         log_format=args.log_format,
     )
@@ -137,10 +127,7 @@ def run_node(args: argparse.Namespace) -> int:
     returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
     from rbee_worker.engine.tp_ranks import start_ranks
 
-    placement, devices = serve_placement(args)
-    if args.tensor_parallel > 1:
-        check_tensor_parallel(args, placement)
-    ranks = start_ranks(worker_config(args, placement, devices))
+    ranks = start_ranks(resolve(args))
 
     def stop(*_: object) -> None:
         log.info("node %d: stopping its ranks", args.node_rank)
@@ -155,7 +142,7 @@ def run_node(args: argparse.Namespace) -> int:
     exit_at_once(code)
 
 
-def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> None:
+def check_tensor_parallel(args: argparse.Namespace, model: "ModelSpec") -> None:
     """--tensor-parallel N with what this version cannot split or run is a usage error, before any process starts:
     a device other than the CPU or CUDA GPUs, --compile, and a model that does not split N ways (its attention heads
     or intermediate size do not divide by N, or its key/value heads neither divide by N nor into it: read from its
@@ -164,7 +151,7 @@ def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> N
     from rbee_worker.models.loader import read_model_config
     from rbee_worker.models.tensor_parallel import check_divisible
 
-    world, device, per_node = args.tensor_parallel, placement.device, args.tensor_parallel // args.nnodes
+    world, device, per_node = args.tensor_parallel, model.placement.device, args.tensor_parallel // args.nnodes
     if device.type not in ("cpu", "cuda"):
         fail(f"--tensor-parallel runs on the CPU or CUDA GPUs, not on {device}: use --device cpu", EXIT_USAGE)
     if device.type == "cuda" and args.devices is None:  # --devices is checked against the machine in serve_placement
@@ -178,7 +165,7 @@ def check_tensor_parallel(args: argparse.Namespace, placement: "Placement") -> N
             )
     if args.compile:
         fail("--compile cannot go with --tensor-parallel in this version: drop --compile", EXIT_USAGE)
-    config, name = read_model_config(args.model)
+    config, name = read_model_config(model)
     check_divisible(config, world, name)  # a ModelLoadError: exit 2
 
 

@@ -6,11 +6,11 @@ Where (torchrun's and vLLM's conventions): --tensor-parallel N is the whole worl
 at --master-addr:--master-port (`Topology`). On CUDA, local rank i takes the i-th GPU of --devices (`parse_devices`,
 `check_devices`), by default from --device's index upward (`rank_placement`).
 
-What crosses, pickled: a rank beyond 0 first gets its RankSetup (what it needs to load its shard), then the
-RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided them), then a ForwardRows for each of
-rank 0's forwards (the plain PromptRow / DecodeRow dataclasses of engine/runner.py); on the control group also a Ping
-while rank 0 idles and a Stop when it stops. Every rank tells every other one its RankReport (engine/tp_ranks.py's
-load_shard, engine/tensor_parallel.py's runner_reports).
+What crosses, pickled: a rank beyond 0 first gets its RankSetup (what it needs to load its shard: rank 0's ModelSpec
+with its own placement), then the RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided
+them), then a ForwardRows for each of rank 0's forwards (the plain PromptRow / DecodeRow dataclasses of
+engine/runner.py); on the control group also a Ping while rank 0 idles and a Stop when it stops. Every rank tells every
+other one its RankReport (engine/tp_ranks.py's load_shard, engine/tensor_parallel.py's runner_reports).
 """
 
 from collections.abc import Sequence
@@ -21,19 +21,22 @@ import torch
 from rbee_worker.devices import Placement
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.runner import DecodeRow, KvGeometry, PromptRow
+from rbee_worker.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class Topology:
     """Where the ranks run: `world` ranks over `nnodes` nodes, `world // nnodes` on each, this process on node
-    `node_rank`; `init_method` the rendezvous (tcp://host:port of node 0); `devices` the CUDA device index of each
-    local rank (None: from rank 0's device upward)."""
+    `node_rank`, joined at node 0's rendezvous, master_addr:master_port (None: a free port, chosen when the ranks
+    start, on one node); `devices` the CUDA device index of each local rank (None: from rank 0's device upward). A
+    world of 1: no tensor parallelism."""
 
-    world: int
-    init_method: str
+    world: int = 1
     nnodes: int = 1
     node_rank: int = 0
     devices: tuple[int, ...] | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     @property
     def per_node(self) -> int:
@@ -43,6 +46,12 @@ class Topology:
     def first(self) -> int:
         """This node's first global rank."""
         return self.node_rank * self.per_node
+
+    @property
+    def init_method(self) -> str:
+        """torch.distributed's rendezvous, tcp://host:port of node 0 (once the port is known)."""
+        assert self.master_port is not None, "the rendezvous port is chosen when the ranks start"
+        return f"tcp://{self.master_addr}:{self.master_port}"
 
     def remote(self, rank: int) -> bool:
         """Whether global rank `rank` runs on another node than rank 0 (and so reads the control group)."""
@@ -54,13 +63,8 @@ class RankSetup:
     """What a rank beyond 0 needs to load its shard: the first message down its pipe."""
 
     rank: int  # global
-    world: int
-    per_node: int  # ranks on each node: the ranks from per_node up read the control group
-    init_method: str  # torch.distributed's rendezvous: tcp://host:port of rank 0
-    model: str
-    placement: Placement  # this rank's device
-    quantize: str
-    max_context: int | None
+    topology: Topology  # with its rendezvous port
+    model: ModelSpec  # as rank 0 probed it, with this rank's placement
     threads: int | None  # torch's CPU threads
     log_level: str
     log_format: str | None

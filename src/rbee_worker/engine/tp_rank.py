@@ -40,31 +40,27 @@ def main() -> None:
     from rbee_worker.engine.tp_messages import ForwardRows, Ping, RankSetup, RunnerSetup, Stop
     from rbee_worker.engine.tp_ranks import control_group, join, load_shard, receive, start_beating
     from rbee_worker.logs import configure_logging
-    from rbee_worker.models.loader import load_model
+    from rbee_worker.models.loader import load_spec
 
     pipe = sys.stdin.buffer
     setup: RankSetup = pickle.load(pipe)
+    rank, topology, placement = setup.rank, setup.topology, setup.model.placement
     # Rank 0 speaks for the worker; the other ranks say only what goes wrong (everything when debugging).
     configure_logging("debug" if setup.log_level == "debug" else "warning", setup.log_format)
     _exit_with_parent()
     if setup.threads is not None:
         torch.set_num_threads(setup.threads)
-
-    def load():
-        placement = setup.placement
-        return load_model(setup.model, placement, None, setup.max_context, None, setup.quantize, "torch")
-
     try:
-        join(setup.rank, setup.world, setup.init_method, setup.placement)
-        start_beating(setup.rank)
-        group = control_group(setup.world, setup.per_node)
+        join(rank, topology.world, topology.init_method, placement)
+        start_beating(rank)
+        group = control_group(topology.world, topology.per_node)
     except Exception:  # rank 0 waits for this rank to join: its watcher sees the exit and stops the worker
-        log.exception("tensor-parallel rank %d could not join rank 0", setup.rank)
+        log.exception("tensor-parallel rank %d could not join rank 0", rank)
         os._exit(1)
 
     def next_message() -> object:
         """Rank 0's next message: from the control group on another node, else from the pipe (its end: Stop)."""
-        if group is not None and setup.rank >= setup.per_node:
+        if group is not None and topology.remote(rank):
             return receive(group)
         try:
             return pickle.load(pipe)
@@ -72,9 +68,9 @@ def main() -> None:
             return Stop()
 
     try:
-        loaded, _ = load_shard(setup.rank, setup.world, load, str(setup.placement.device))
+        loaded, _ = load_shard(rank, topology.world, lambda: load_spec(setup.model), str(placement.device))
     except Exception:  # rank 0 heard of it (load_shard) and reports it: wait for it to stop
-        log.debug("rank %d: the load failed", setup.rank, exc_info=True)
+        log.debug("rank %d: the load failed", rank, exc_info=True)
         with contextlib.suppress(Exception):
             while not isinstance(next_message(), Stop):
                 pass
@@ -85,7 +81,7 @@ def main() -> None:
             os._exit(0)
         assert isinstance(runner_setup, RunnerSetup), runner_setup
         runner = FollowerRunner(loaded, runner_setup.config, runner_setup.kv)
-        runner_reports(setup.world, runner, str(setup.placement.device))
+        runner_reports(topology.world, runner, str(placement.device))
         with torch.inference_mode():
             while not isinstance(message := next_message(), Stop):
                 if isinstance(message, ForwardRows):
@@ -93,7 +89,7 @@ def main() -> None:
                 else:
                     assert isinstance(message, Ping), message
     except Exception:
-        log.exception("tensor-parallel rank %d failed or lost rank 0; it stops (and with it the worker)", setup.rank)
+        log.exception("tensor-parallel rank %d failed or lost rank 0; it stops (and with it the worker)", rank)
         os._exit(1)
     # os._exit: nothing to clean up, and the process group's teardown could wait on ranks that are gone.
     os._exit(0)

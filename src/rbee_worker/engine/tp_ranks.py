@@ -39,6 +39,7 @@ its parent process.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -183,18 +184,9 @@ class Ranks:
     (and, on node 0, every forward after it); started at once, so that they load while rank 0 loads. On node 0 this
     process is rank 0 (`load`, `runner`, `send`); on another node it only starts and watches its ranks (`wait`)."""
 
-    def __init__(
-        self,
-        topology: Topology,
-        placement: Placement,
-        model: str,
-        quantize: str,
-        max_context: int | None,
-        threads: int | None,
-        log_level: str,
-        log_format: str | None,
-    ) -> None:
-        self.topology, self.placement, self.threads = topology, placement, threads
+    def __init__(self, topology: Topology, config: WorkerConfig) -> None:
+        model = config.model
+        self.topology, self.placement, self.threads = topology, model.placement, config.engine.threads
         self.world = topology.world
         self.failure: str | None = None  # why a rank stopped, once one has
         self.reports: list[RankReport] = []  # every rank's, once loaded (rank 0)
@@ -208,19 +200,9 @@ class Ranks:
         self.processes: dict[int, subprocess.Popen[bytes]] = {}  # by global rank
         first = topology.first
         for rank in range(max(first, 1), first + topology.per_node):
-            setup = RankSetup(
-                rank,
-                topology.world,
-                topology.per_node,
-                topology.init_method,
-                model,
-                rank_placement(placement, rank - first, topology.devices),
-                quantize,
-                max_context,
-                threads,
-                log_level,
-                log_format,
-            )
+            placement = rank_placement(model.placement, rank - first, topology.devices)
+            own = dataclasses.replace(model, placement=placement)
+            setup = RankSetup(rank, topology, own, self.threads, config.log_level, config.log_format)
             command = [sys.executable, "-m", "rbee_worker.engine.tp_rank", f"--rank={rank}", f"--world={self.world}"]
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
             self.processes[rank] = process
@@ -417,17 +399,7 @@ def start_ranks(config: WorkerConfig) -> Ranks:
     """Under --tensor-parallel N: this node's ranks beyond rank 0 started now, so that they load while this process
     loads (node 0: it is rank 0) or watches them (another node); every node's ranks join at the rendezvous,
     --master-port or a free port on one node."""
-    port = config.master_port or free_port(config.master_addr)
-    topology = Topology(
-        config.tensor_parallel, f"tcp://{config.master_addr}:{port}", config.nnodes, config.node_rank, config.devices
-    )
-    return Ranks(
-        topology,
-        config.placement,
-        config.model,
-        config.quantize,
-        config.max_context,
-        config.engine.threads,
-        config.log_level,
-        config.log_format,
-    )
+    topology = config.topology
+    if topology.master_port is None:
+        topology = dataclasses.replace(topology, master_port=free_port(topology.master_addr))
+    return Ranks(topology, config)

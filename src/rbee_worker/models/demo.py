@@ -36,9 +36,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def demo_path() -> Path:
+    """Where the demo GGUF is cached, whether or not it has been fetched yet."""
+    return cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def demo_model_path() -> Path:
     """Path of the demo GGUF, fetching and verifying it on first use."""
-    target = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    target = demo_path()
     if target.is_file():
         # A size check is enough on the hot path; the full hash was checked when the file was written.
         return target

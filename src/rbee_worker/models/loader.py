@@ -1,4 +1,5 @@
-"""Resolve MODEL (a directory, a .gguf file, `demo`, or a hub id) and load it onto a device."""
+"""MODEL (a directory, a .gguf file, `demo`, or a hub id) probed once into a ModelSpec (models/spec.py), then loaded
+onto its device."""
 
 import dataclasses
 import logging
@@ -12,11 +13,12 @@ import torch
 
 from rbee_worker.devices import Placement, check_placement
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.demo import demo_model_path
+from rbee_worker.models.demo import demo_model_path, demo_path
 from rbee_worker.models.llama_cpp_model import llama_cpp_installed, load_llama_cpp
 from rbee_worker.models.loaded import LoadedModel
 from rbee_worker.models.progress import LoadProgress
 from rbee_worker.models.quantize import quantized_supported
+from rbee_worker.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -68,35 +70,23 @@ def is_gguf(path: Path) -> bool:
         raise ModelLoadError(f"cannot read model file {path}: {exc.strerror or exc}; check its permissions") from exc
 
 
-def check_runtime(runtime: str, device: torch.device) -> None:
-    """Refuse --runtime llama.cpp on a device llama.cpp's runtime does not serve here (before anything loads)."""
-    if runtime not in RUNTIMES:
-        raise ModelLoadError(f"unknown --runtime {runtime!r}; use {', '.join(RUNTIMES)}")
-    if runtime == "llama.cpp" and device.type not in LLAMA_CPP_DEVICES:
-        raise ModelLoadError(
-            f"--runtime llama.cpp runs GGUF files on cpu or mps, not on {device}: use --runtime torch (or auto) there"
-        )
-
-
 def auto_runtime(gguf: bool, device: torch.device) -> str:
     """What `--runtime auto` picks: llama.cpp for a GGUF file on cpu or mps where llama-cpp-python is installed, torch
     otherwise."""
     return "llama.cpp" if gguf and device.type in LLAMA_CPP_DEVICES and llama_cpp_installed() else "torch"
 
 
-def names_gguf(spec: str) -> bool:
-    """Whether MODEL as given names a GGUF file (`demo` does, a hub id names a directory), read without fetching the
-    demo or looking up the hub cache."""
-    path = Path(spec).expanduser()
-    return spec == "demo" or (path.is_file() and is_gguf(path))
-
-
 def resolve_runtime(runtime: str, path: Path, gguf: bool, device: torch.device) -> str:
-    """The runtime that runs the model: `auto` as auto_runtime says; an explicit llama.cpp must have a GGUF file, a
-    device it serves and the package."""
-    check_runtime(runtime, device)
+    """The runtime that runs the model, torch or llama.cpp: `auto` as auto_runtime says; an explicit llama.cpp must
+    have a GGUF file, a device it serves and the package."""
+    if runtime not in RUNTIMES:
+        raise ModelLoadError(f"unknown --runtime {runtime!r}; use {', '.join(RUNTIMES)}")
     if runtime == "auto":
         return auto_runtime(gguf, device)
+    if runtime == "llama.cpp" and device.type not in LLAMA_CPP_DEVICES:
+        raise ModelLoadError(
+            f"--runtime llama.cpp runs GGUF files on cpu or mps, not on {device}: use --runtime torch (or auto) there"
+        )
     if runtime == "llama.cpp" and not gguf:
         raise ModelLoadError(
             f"--runtime llama.cpp runs GGUF files, and {path.name} is not one: use --runtime torch (or auto) for it"
@@ -109,24 +99,77 @@ def resolve_runtime(runtime: str, path: Path, gguf: bool, device: torch.device) 
     return runtime
 
 
-def load_model(
-    spec: str,
+def resolve_quantize(quantize: str, gguf: bool, placement: Placement) -> str:
+    """The quantization the torch runtime loads with: `auto` keeps a GGUF file's types where the int4 / int8 kernels
+    run on this placement (as int4: for a GGUF file int4 and int8 alike mean "keep the file's types") and loads
+    everything else as `none`; an explicit int8 / int4 must have those kernels."""
+    if quantize == "auto":
+        return "int4" if gguf and quantized_supported(placement.device, placement.dtype) else "none"
+    if quantize != "none" and not quantized_supported(placement.device, placement.dtype):
+        raise ModelLoadError(
+            f"--quantize {quantize} runs on the CPU, or in bfloat16 on a CUDA GPU of compute capability 8.0 or newer "
+            f"with Triton; {placement.device} with {str(placement.dtype).removeprefix('torch.')} cannot: drop "
+            "--quantize, or on such a GPU add --dtype bfloat16"
+        )
+    return quantize
+
+
+def probe_model(
+    name: str,
     placement: Placement,
-    progress: LoadProgress | None = None,
+    *,
+    runtime: str = "torch",
+    quantize: str = "none",
     max_context: int | None = None,
     chat_template: str | None = None,
-    quantize: str = "none",
-    runtime: str = "torch",
-) -> LoadedModel:
-    """Load MODEL onto the placement's device; every failure is a ModelLoadError with a one-line message.
+) -> ModelSpec:
+    """MODEL found and checked once, before anything loads, without reading its weights: its file or directory (a
+    hub id from the local cache; the demo where it is cached, not fetched yet), whether it is a GGUF file, the runtime
+    that runs it (resolve_runtime, never `auto`) and the quantization it loads with (resolve_quantize); every failure
+    is a ModelLoadError with a one-line message.
 
-    `progress` follows the load as it goes; `max_context` caps the context below the model's own (less KV memory);
-    `chat_template` (Jinja text) replaces the model's own; `quantize` "int8" / "int4" quantizes a float model's
-    decoder layers at load (models/quantize.py) and keeps a GGUF file's quantized matrices in its own types (either
-    value: the file decides; models/gguf_model.py); "auto" (the CLI's default) keeps a GGUF file's types where the
-    quantized kernels run on this placement, and loads everything else as "none". `runtime` (see resolve_runtime):
-    on llama.cpp a GGUF file keeps its own types, whatever `quantize` and the placement's dtype say.
+    `max_context` caps the context below the model's own (less KV memory); `chat_template` (Jinja text) replaces the
+    model's own; `quantize` "int8" / "int4" quantizes a float model's decoder layers at load (models/quantize.py) and
+    keeps a GGUF file's quantized matrices in its own types (either value: the file decides; models/gguf_model.py).
+    On llama.cpp a GGUF file keeps its own types, whatever `quantize` and the placement's dtype say.
     """
+    if name == "demo":
+        path, gguf = demo_path(), True
+    else:
+        path = resolve_model_path(name)
+        gguf = path.is_file() and is_gguf(path)
+        if not gguf and not path.is_dir():
+            raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    runtime = resolve_runtime(runtime, path, gguf, placement.device)
+    quantize = "none" if runtime == "llama.cpp" else resolve_quantize(quantize, gguf, placement)
+    return ModelSpec(name, path, gguf, placement, runtime, quantize, max_context, chat_template)
+
+
+def model_files(spec: ModelSpec) -> Path:
+    """The probed model's file or directory, there to read: the demo is fetched on its first use."""
+    return demo_model_path() if spec.name == "demo" else spec.path
+
+
+def load_model(
+    name: str,
+    placement: Placement,
+    *,
+    runtime: str = "torch",
+    quantize: str = "none",
+    max_context: int | None = None,
+    chat_template: str | None = None,
+) -> LoadedModel:
+    """MODEL probed (probe_model, whose arguments these are) and loaded onto the placement's device at once: for a
+    caller that has no ModelSpec yet."""
+    spec = probe_model(
+        name, placement, runtime=runtime, quantize=quantize, max_context=max_context, chat_template=chat_template
+    )
+    return load_spec(spec)
+
+
+def load_spec(spec: ModelSpec, progress: LoadProgress | None = None) -> LoadedModel:
+    """Load the probed model onto its placement's device; every failure is a ModelLoadError with a one-line message.
+    `progress` follows the load as it goes, and cancels it."""
     import transformers
 
     from rbee_worker.models.gguf_model import load_gguf
@@ -138,29 +181,18 @@ def load_model(
         transformers.utils.logging.set_verbosity_error()
     started = time.perf_counter()
     progress = progress or LoadProgress()
-    path = resolve_model_path(spec)
-    gguf = path.is_file() and is_gguf(path)
-    if resolve_runtime(runtime, path, gguf, placement.device) == "llama.cpp":
+    path, placement = model_files(spec), spec.placement
+    if spec.runtime == "llama.cpp":
         with _LOADING:
             loaded = load_llama_cpp(path, placement.device, progress)
-        return _finish(loaded, path, progress, max_context, chat_template, started)
-    if quantize == "auto":
-        keep = gguf and quantized_supported(placement.device, placement.dtype)
-        quantize = "int4" if keep else "none"  # for a GGUF file int4 and int8 alike mean "keep the file's types"
-    if quantize != "none" and not quantized_supported(placement.device, placement.dtype):
-        raise ModelLoadError(
-            f"--quantize {quantize} runs on the CPU, or in bfloat16 on a CUDA GPU of compute capability 8.0 or newer "
-            f"with Triton; {placement.device} with {str(placement.dtype).removeprefix('torch.')} cannot: drop "
-            "--quantize, or on such a GPU add --dtype bfloat16"
-        )
+        return _finish(loaded, spec, progress, started)
     try:
         with _LOADING:
-            if path.is_dir():
-                loaded = load_hf_directory(path, placement.device, placement.dtype, progress, quantize)
-            elif gguf:
-                loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantize != "none")
+            if spec.gguf:
+                quantized = spec.quantize != "none"
+                loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantized)
             else:
-                raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+                loaded = load_hf_directory(path, placement.device, placement.dtype, progress, spec.quantize)
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(
             f"not enough memory on {placement.device} to load {path.name}; use a smaller model"
@@ -168,42 +200,36 @@ def load_model(
     except MemoryError as exc:
         raise ModelLoadError(f"not enough host memory to load {path.name}; use a smaller model") from exc
     check_placement(loaded.model, placement.device)
-    return _finish(loaded, path, progress, max_context, chat_template, started)
+    return _finish(loaded, spec, progress, started)
 
 
-def _finish(
-    loaded: LoadedModel,
-    path: Path,
-    progress: LoadProgress,
-    max_context: int | None,
-    chat_template: str | None,
-    started: float,
-) -> LoadedModel:
+def _finish(loaded: LoadedModel, spec: ModelSpec, progress: LoadProgress, started: float) -> LoadedModel:
     """Either runtime's last step: --max-context and --chat-template applied, the load time recorded; a load cancelled
     meanwhile stops here rather than go on to the engine's runner."""
     progress.check()
-    context = loaded.info.context_length
+    context, max_context = loaded.info.context_length, spec.max_context
     if max_context is not None and max_context > context:
         raise ModelLoadError(
-            f"--max-context {max_context} exceeds the context of {path.name} ({context} tokens); pass at most {context}"
+            f"--max-context {max_context} exceeds the context of {spec.path.name} ({context} tokens); pass at most "
+            f"{context}"
         )
-    if chat_template is not None:
-        loaded.tokenizer.chat_template = chat_template
+    if spec.chat_template is not None:
+        loaded.tokenizer.chat_template = spec.chat_template
     info = dataclasses.replace(
         loaded.info, context_length=max_context or context, load_seconds=time.perf_counter() - started
     )
     return dataclasses.replace(loaded, info=info)
 
 
-def read_model_config(spec: str) -> "tuple[PretrainedConfig, str]":
-    """MODEL's config and name, read without its weights (a GGUF file's header, or config.json), so that a model that
-    cannot be split is refused before any rank starts."""
+def read_model_config(spec: ModelSpec) -> "tuple[PretrainedConfig, str]":
+    """The probed model's config and name, read without its weights (a GGUF file's header, or config.json), so that a
+    model that cannot be split is refused before any rank starts."""
     from rbee_worker.models.gguf_format import read_gguf
     from rbee_worker.models.gguf_model import ARCHITECTURES, gguf_config
     from rbee_worker.models.hf import read_config
 
-    path = resolve_model_path(spec)
-    if path.is_file() and is_gguf(path):
+    path = model_files(spec)
+    if spec.gguf:
         file = read_gguf(path)
         arch = file.metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
