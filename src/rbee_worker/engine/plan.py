@@ -82,11 +82,17 @@ class Sequence:
 @dataclass(frozen=True)
 class Chunk:
     """Tokens [start, start + count) of a sequence's prompt (after a preemption, of its prompt and output), fed in one
-    forward."""
+    forward. `ends_prompt`: the chunk computes the prompt's last token, for the first time (not again after a
+    preemption), as planned (its sequence's first token, taken later, does not change it)."""
 
     sequence: Sequence
     start: int
     count: int
+    ends_prompt: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        ends = not self.sequence.output_ids and self.start + self.count == self.sequence.prefill_end
+        object.__setattr__(self, "ends_prompt", ends)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -97,11 +103,6 @@ class Chunk:
         """Whether the chunk ends a prompt and a token follows (after a preemption the last output follows; with
         max_tokens 0 none does)."""
         return self.ends_prompt and self.sequence.request.max_tokens > 0
-
-    @property
-    def ends_prompt(self) -> bool:
-        """Whether the chunk computes the prompt's last token, for the first time (not again after a preemption)."""
-        return not self.sequence.output_ids and self.start + self.count == self.sequence.prefill_end
 
     @property
     def targets(self) -> tuple[int, ...]:
