@@ -260,6 +260,7 @@ class KvReadingRunner:
         self.windows: BlockPool | None = None
         self.loaded = SimpleNamespace(info=SimpleNamespace(eos_token_ids=frozenset({EOS})))
         self.capabilities = Capabilities(mixed_batches=kind == "mixed", row_tokens=row_tokens)
+        self.prefixes = None  # the block pool is the cache
         self.cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)
         self.window_cells: dict[int, list[int | None]] = defaultdict(lambda: [None] * self.block_size)
         self.chosen: dict[int, int] = {}
@@ -269,9 +270,6 @@ class KvReadingRunner:
 
     def assign(self, row: int, params: SamplingParams, seed: int, prompt_ids: Tokens[int], logprobs: object) -> None:
         self.chosen.pop(row, None)
-
-    def reuse(self, row: int, token_ids: Tokens, limit: int) -> int:
-        return 0  # the block pool is the cache
 
     def evict(self, row: int) -> None:
         self.evicted += 1

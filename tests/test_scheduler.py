@@ -2,10 +2,12 @@
 
 from collections.abc import Sequence as Tokens
 
+import numpy as np
 from conftest import executed
 
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.plan import Chunk, Ending, Output, Plan, Sequence
+from rbee_worker.engine.plan import Chunk, Ending, Lost, Output, Plan, Sequence
+from rbee_worker.engine.prompt_cache import PromptCache, RuntimePrefixes
 from rbee_worker.engine.runner import Capabilities, KvGeometry
 from rbee_worker.engine.scheduler import Scheduler
 from rbee_worker.engine.types import Request, StopReason
@@ -334,3 +336,27 @@ def test_requests_of_the_same_prompt_wait_for_the_first_ones_blocks() -> None:
     assert shape(h.round()) == [[("c", 16, 4), ("d", 0, 4)]]
     assert (second.cached_prompt_tokens, third.cached_prompt_tokens, first.cached_prompt_tokens) == (16, 16, 0)
     assert second.table.blocks[:4] == third.table.blocks[:4] == first.table.blocks[:4] and other.cached == 4
+
+
+def test_a_prefix_the_runtime_holds_is_restored_by_the_plan_and_a_lost_one_read_again() -> None:
+    """Where the runtime keeps prompts itself (llama.cpp's saved states: Runner.prefixes), the scheduler looks them
+    up while planning, without calling the runtime: the plan restores the prefix found and the chunk starts after it.
+    A restore that fails (Lost) leaves the prompt to be read from the start, looked up no more."""
+    config = EngineConfig(block_size=4, prefill_chunk=64)
+    prompts = PromptCache(1 << 20)
+    prompts.insert(tuple(range(1, 13)), np.zeros(8, dtype=np.uint8))  # a saved state of 12 tokens
+    prefixes = RuntimePrefixes(prompts, [[] for _ in range(config.max_batch)], [0] * config.max_batch, 4, False)
+    scheduler = Scheduler(
+        config, Capabilities(False), KvGeometry(64, 4, 1024, 1, shared_blocks=False), prefixes=prefixes
+    )
+    sequence = Sequence(Request(tuple(range(1, 21)), max_tokens=2, request_id="a"), 7, Output(lambda _: None, None))  # type: ignore[arg-type]
+    scheduler.add(sequence)
+    plan = scheduler.schedule()
+    [(restored, hit)] = plan.restores
+    assert restored is sequence and hit.token_ids == tuple(range(1, 13)) and hit.key == tuple(range(1, 13))
+    assert shape(plan) == [[("a", 12, 8)]] and sequence.cached_prompt_tokens == 12
+    scheduler.update([Lost(sequence)])
+    assert (sequence.cached, sequence.table.blocks, sequence.cached_prompt_tokens) == (0, [], 0)
+    assert scheduler.blocks.hit_tokens == 0
+    plan = scheduler.schedule()
+    assert not plan.restores and shape(plan) == [[("a", 0, 20)]]

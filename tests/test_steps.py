@@ -71,6 +71,7 @@ class FakeRunner:
         self.loaded, self.kind = loaded, kind
         self.vocab_size = len(WORDS)
         self.capabilities = Capabilities(mixed_batches=kind == "mixed", row_tokens=row_tokens)
+        self.prefixes = None  # the block pool is the cache
         self.accepted: list[int] = []  # rows of several tokens: how many of each row's tokens were accepted
         self.block_size = config.block_size
         blocks = kv_blocks or 1 + config.max_batch * -(-CONTEXT // self.block_size)
@@ -93,9 +94,6 @@ class FakeRunner:
         self.stream[row], self.next[row] = list(prompt_ids), None
         self.prompt_length[row] = len(prompt_ids)
         self.matchers.pop(row, None)
-
-    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        return 0  # the block pool is the cache
 
     def evict(self, row: int) -> None:
         self.evicted.append(row)

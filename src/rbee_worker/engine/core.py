@@ -26,7 +26,7 @@ class EngineCore:
     ) -> None:
         eos = runner.loaded.info.eos_token_ids
         self.runner = runner
-        self.scheduler = Scheduler(config, runner.capabilities, runner.kv, eos, runner.reuse, proposer)
+        self.scheduler = Scheduler(config, runner.capabilities, runner.kv, eos, runner.prefixes, proposer)
         self.executor = Executor(runner, eos)
         self.output = OutputProcessor(runner.kv.request_bytes, lambda: runner.loaded.pooling.mode, observer)
 

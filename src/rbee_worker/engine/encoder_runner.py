@@ -10,6 +10,7 @@ import torch
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.grammar import Matcher
+from rbee_worker.engine.prompt_cache import PrefixHit
 from rbee_worker.engine.rows import device_fault, pooled_rows
 from rbee_worker.engine.runner import (
     Capabilities,
@@ -29,6 +30,8 @@ BLOCK_SIZE = 16
 
 class EncoderRunner:
     """Runs an encoder's forwards over whole prompts, on any device, eagerly."""
+
+    prefixes = None  # the block pool is the prefix cache
 
     capabilities = Capabilities(mixed_batches=False, whole_prompts=True)
 
@@ -50,9 +53,8 @@ class EncoderRunner:
     def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
         """Nothing to hold: the runner samples nothing."""
 
-    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """0: every input runs whole."""
-        return 0
+    def restore(self, row: int, hit: PrefixHit) -> bool:
+        raise NotImplementedError("the block pool is the prefix cache (prefixes is None)")
 
     def evict(self, row: int) -> None:
         """Nothing kept between steps."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from rbee_worker.engine.grammar import GrammarRejected, accept_tokens
-from rbee_worker.engine.plan import Chunk, Computed, Decode, Drawn, Executed, Failed, Forward, Plan, Sequence
+from rbee_worker.engine.plan import Chunk, Computed, Decode, Drawn, Executed, Failed, Forward, Lost, Plan, Sequence
 from rbee_worker.engine.runner import DecodeRow, DeviceFault, Launched, PromptRow, Runner, Sampled
 from rbee_worker.engine.types import ErrorCode
 
@@ -64,6 +64,12 @@ class Executor:
         try:
             if self._pending and any(d.sequence in plan.preempted for d in self._pending.decodes):
                 self._settle()  # a preempted sequence has no token in flight when its blocks go to another
+            lost = set()
+            for sequence, hit in plan.restores:  # before the evictions: a prefix may come from a preempted row
+                assert sequence.row is not None
+                if not self.runner.restore(sequence.row, hit):
+                    lost.add(sequence)
+                    self._out.append(Lost(sequence))
             for sequence in plan.preempted:
                 assert sequence.row is not None
                 self.runner.evict(sequence.row)
@@ -76,9 +82,11 @@ class Executor:
                 self.runner.masks(constrained)  # type: ignore[arg-type] -- started sequences hold rows
             before = self._pending
             for forward in plan.forwards:
+                if lost:  # their chunks do not run: they read their prompts from the start
+                    forward = Forward([c for c in forward.chunks if c.sequence not in lost], forward.decode)
                 if forward.chunks:
                     self._step(forward)
-                else:
+                elif forward.decode:
                     self._decode(forward.decode)
             if self._pending is not None and self._pending is before:  # no step launched after it: nothing to overlap
                 self._settle()

@@ -15,8 +15,9 @@ own batched sampler (engine/sampler.py, on the CPU), so sampling behaves exactly
 
 Prefix reuse: llama.cpp places the cells, so the block pool cannot be the prefix cache here. When a request ends, its
 sequence's state (keys and values of the tokens it holds) is saved to a host-memory cache (engine/prompt_cache.py,
-as llama-server's `--cache-ram`) and its cells go back; at a prompt's first chunk (`reuse`), the saved state sharing
-the longest prefix with the prompt is restored into the row's sequence and cut to that prefix, or a running request's
+as llama-server's `--cache-ram`) and its cells go back; at a prompt's first chunk the scheduler looks up the saved
+state sharing the longest prefix with the prompt (`prefixes`, prompt_cache.RuntimePrefixes), and the plan restores it
+into the row's sequence cut to that prefix (`restore`), or a running request's
 sequence gives its cells for the prefix (in a unified pool `llama_memory_seq_cp` shares them; across streams its
 state is copied, as a saved one is restored). Saved states hold no cells: cells left to ended sequences would take
 room that the block pool does not account for, and in a unified pool llama.cpp's attention sums depend on the cells
@@ -24,10 +25,10 @@ every other sequence holds.
 
 A reused prefix gives a fresh run's logits (the same greedy text with the cache on and off) when two things hold.
 The rest of the prompt runs in batches of UNIFORM_ROWS tokens or more, as a fresh run's chunks over those positions
-do (Capabilities.uniform_rows, which the scheduler's chunks and the `limit` it gives `reuse` keep to): fewer rows take
+do (Capabilities.uniform_rows, which the scheduler's chunks and the limit of its lookups keep to): fewer rows take
 other kernels, which round differently. And the prefix's positions were computed, or restored from positions
 computed, with no other sequence in the pool (exact): each sequence's exact first positions are tracked and saved
-with its state, and of the sources sharing the longest prefix `reuse` takes the one exact the furthest, so a prompt
+with its state, and of the sources sharing the longest prefix the lookup takes the one exact the furthest, so a prompt
 computed alone serves the requests after it exactly even when those that ran beside it were saved too.
 
 In deterministic mode only a prompt's whole `prefill_chunk` chunks are saved (the positions a fresh run computes in
@@ -48,7 +49,7 @@ import torch
 
 from rbee_worker.engine.config import EngineConfig, default_threads
 from rbee_worker.engine.grammar import Matcher
-from rbee_worker.engine.prompt_cache import PromptCache, State, common_prefix
+from rbee_worker.engine.prompt_cache import PrefixHit, PromptCache, RuntimePrefixes, State
 from rbee_worker.engine.rows import RowSampling, kv_budget, kv_pool, score
 from rbee_worker.engine.runner import (
     Capabilities,
@@ -157,6 +158,12 @@ class LlamaCppRunner:
         # Each sequence's first positions computed with no other sequence in the pool (or restored from such): what a
         # fresh run computes alike (see the module docstring). With a stream per sequence, every position.
         self._exact = [0] * rows
+        least = self.kv.block_size
+        self.prefixes = (
+            RuntimePrefixes(self.prompts, self._held, self._exact, least, config.deterministic)
+            if self.reusing
+            else None
+        )
         self._prompt_lengths = [0] * rows
         self._broken = False  # a fatal llama_decode error: nothing more is asked of the context
         log.info(
@@ -173,44 +180,33 @@ class LlamaCppRunner:
     def assign(
         self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
     ) -> None:
-        """A request takes the batch row, whose sequence is empty or holds the prefix `reuse` gave it: its sampling
-        state comes."""
+        """A request takes the batch row, whose sequence is empty or holds the prefix `restore` gives it: its
+        sampling state comes."""
         self._prompt_lengths[row] = len(prompt_ids)
         self.sampling.assign(row, params, seed, prompt_ids, logprobs)
 
     def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
         self.sampling.masks(rows)
 
-    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """The longest prefix of `token_ids[:limit]` that a saved state or (but in deterministic mode) a running
-        request's sequence holds, given to the row's sequence (emptied first: a request looked up again after waiting
-        for blocks); 0 when none holds a block's worth."""
-        if not self.reusing:
-            return 0
+    def restore(self, row: int, hit: PrefixHit) -> bool:
+        """The prefix that `prefixes` found, given to the row's sequence (emptied first); False, the sequence empty and
+        a saved state that failed dropped, where llama.cpp could not restore it."""
         self._clear(row)
-        wanted = list(token_ids[:limit])
-        found, key = self.prompts.longest(wanted)
-        exact = min(found, self.prompts.exact(key)) if key is not None else 0
-        source = None
-        if not self.config.deterministic:  # the longest prefix; among equal ones, an exact one
-            for other, held in enumerate(self._held):
-                shared = common_prefix(held, wanted)
-                if other != row and (shared, min(shared, self._exact[other])) > (found, exact):
-                    found, exact, source = shared, min(shared, self._exact[other]), other
-        if found < self.kv.block_size:
-            return 0
-        if source is not None and self._unified:
-            native.llama_memory_seq_cp(self._memory, source, row, 0, found)
+        found = len(hit.token_ids)
+        if hit.source is not None and self._unified:
+            native.llama_memory_seq_cp(self._memory, hit.source, row, 0, found)
         else:
-            state = self._state(source) if source is not None else self.prompts.take(key)  # type: ignore[arg-type]
+            state = self._state(hit.source) if hit.source is not None else self.prompts.take(hit.key)  # type: ignore[arg-type]
             if not self._restore(row, state):
                 log.warning("llama.cpp could not restore a prompt state; computing the prompt whole")
                 self._clear(row)
-                return 0
+                if hit.key is not None:
+                    self.prompts.discard(hit.key)
+                return False
             native.llama_memory_seq_rm(self._memory, row, found, -1)
-        self._held[row] = wanted[:found]
-        self._exact[row] = exact
-        return found
+        self._held[row] = list(hit.token_ids)
+        self._exact[row] = hit.exact
+        return True
 
     def evict(self, row: int) -> None:
         """The request in this batch row was preempted: its sequence's cells go back to the pool."""
@@ -248,7 +244,7 @@ class LlamaCppRunner:
 
     def _cut(self, row: int, start: int) -> None:
         """The row's sequence before a prompt chunk at `start`: what it holds from `start` on goes (a prefix that
-        `reuse` gave but the scheduler found no blocks for)."""
+        `restore` gave but that the chunk computes again)."""
         if len(self._held[row]) > start:
             native.llama_memory_seq_rm(self._memory, row, start, -1)
             del self._held[row][start:]

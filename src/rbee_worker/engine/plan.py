@@ -12,6 +12,7 @@ import numpy as np
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.grammar import Matcher
 from rbee_worker.engine.kv_blocks import BlockTable
+from rbee_worker.engine.prompt_cache import PrefixHit
 from rbee_worker.engine.runner import Sampled
 from rbee_worker.engine.types import ErrorCode, Event, Request, StopReason, TokenLogprob
 
@@ -137,13 +138,15 @@ class Forward:
 
 @dataclass(frozen=True)
 class Plan:
-    """One round, in the order the executor carries it out: the sequences preempted (the executor first takes a token
-    of theirs still in flight, then the runtime lets go of what it keeps for them), those that took a batch row (their
-    sampling state goes there), then the forwards in order, decode rows last."""
+    """One round, in the order the executor carries it out: the prefixes that the runtime's own memory holds for
+    prompts about to start (`restores`, where it keeps them: Runner.prefixes), the sequences preempted (the executor
+    first takes a token of theirs still in flight, then the runtime lets go of what it keeps for them), those that
+    took a batch row (their sampling state goes there), then the forwards in order, decode rows last."""
 
     preempted: list[Sequence]
     started: list[Sequence]
     forwards: list[Forward]
+    restores: list[tuple[Sequence, PrefixHit]] = field(default_factory=list)
 
 
 # -- what the executor computed, in the order it computed it ------------------------------------------------------
@@ -180,7 +183,15 @@ class Failed:
     message: str
 
 
-Executed = list[Computed | Drawn | Failed]
+@dataclass(frozen=True)
+class Lost:
+    """The runtime could not restore the prefix the plan gave this sequence (Plan.restores): its chunk did not run,
+    and it reads its prompt from the start."""
+
+    sequence: Sequence
+
+
+Executed = list[Computed | Drawn | Failed | Lost]
 
 
 # -- what the scheduler made of it, for the output processor -----------------------------------------------------

@@ -10,6 +10,7 @@ already extends only refreshes that entry.
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,6 +84,55 @@ class PromptCache:
         while self.bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
+    def discard(self, key: tuple[int, ...]) -> None:
+        """An entry goes (one whose state the runtime could not restore)."""
+        if key in self._entries:
+            self._drop(key)
+
     def _drop(self, key: tuple[int, ...]) -> None:
         self.bytes -= len(self._entries.pop(key))
         del self._exact[key]
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The first `token_ids` of a prompt, which the runtime holds already: in a saved state (`key`, a PromptCache
+    entry's) or in another batch row's sequence (`source`); the first `exact` of them exact."""
+
+    token_ids: tuple[int, ...]
+    exact: int
+    key: tuple[int, ...] | None = None
+    source: int | None = None
+
+
+class RuntimePrefixes:
+    """What a runtime whose KV memory the block pool does not describe holds, for the scheduler to plan prompts with:
+    its saved states (`prompts`) and, unless `saved_only`, each batch row's sequence (`held`: its tokens at positions
+    0..n-1, `exact`: how many first ones are exact; the runner's own lists, which it keeps up to date). Reading it
+    changes nothing: the runner restores a hit when the plan runs (Runner.restore)."""
+
+    def __init__(
+        self, prompts: PromptCache, held: list[list[int]], exact: list[int], least: int, saved_only: bool
+    ) -> None:
+        self.prompts, self.held, self.exact = prompts, held, exact
+        self.least = least  # a shorter prefix is not worth restoring (a block's worth)
+        self.saved_only = saved_only
+
+    def find(self, row: int, token_ids: Sequence[int], limit: int, busy: Sequence[int] = ()) -> PrefixHit | None:
+        """The longest prefix of `token_ids[:limit]` that a saved state or another row's sequence (but those in
+        `busy`, whose memory goes before it could be copied) holds; among equal ones, an exact one. None under
+        `least` tokens."""
+        wanted = list(token_ids[:limit])
+        found, key = self.prompts.longest(wanted)
+        exact = min(found, self.prompts.exact(key)) if key is not None else 0
+        source = None
+        if not self.saved_only:
+            for other, held in enumerate(self.held):
+                if other == row or other in busy:
+                    continue
+                shared = common_prefix(held, wanted)
+                if (shared, min(shared, self.exact[other])) > (found, exact):
+                    found, exact, source = shared, min(shared, self.exact[other]), other
+        if found < self.least:
+            return None
+        return PrefixHit(tuple(wanted[:found]), exact, key if source is None else None, source)

@@ -16,6 +16,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from rbee_worker.engine.grammar import Matcher
+from rbee_worker.engine.prompt_cache import PrefixHit, RuntimePrefixes
 from rbee_worker.engine.sampling import SamplingParams
 from rbee_worker.engine.types import TokenLogprob
 from rbee_worker.models.loaded import LoadedModel
@@ -160,6 +161,9 @@ class Runner(Protocol):
     capabilities: Capabilities
     kv: KvGeometry
     vocab_size: int  # the logits' width: the model's vocabulary, padding included
+    # What the runtime holds of prompts, for the scheduler's lookups, where its memory does not follow the block
+    # tables (llama.cpp's saved states and sequences; KvGeometry.shared_blocks False); None where the pool is the cache.
+    prefixes: RuntimePrefixes | None
 
     def assign(
         self, row: int, params: SamplingParams, seed: int, prompt_ids: Sequence[int], logprobs: int | None
@@ -170,10 +174,10 @@ class Runner(Protocol):
         """The request in each of these batch rows draws its next token among those its grammar allows now (each
         matcher fills its row's mask); until the row's next mask, or its next `assign`."""
 
-    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """For a runtime whose memory does not follow the block tables (`KvGeometry.shared_blocks` False): how many of
-        the first tokens of `token_ids` (at most `limit`) it holds keys and values of already, now given to batch row
-        `row`'s sequence, so that its prompt is computed from there on. 0 where the block pool is the cache."""
+    def restore(self, row: int, hit: PrefixHit) -> bool:
+        """For a runtime whose memory does not follow the block tables (`prefixes` set): the prefix that `prefixes`
+        found, now given to batch row `row`'s sequence, so that its prompt is computed from there on; False where the
+        runtime could not (the sequence then holds nothing)."""
 
     def evict(self, row: int) -> None:
         """The request in this batch row was preempted: the scheduler took its blocks back, and whatever the runtime

@@ -64,11 +64,12 @@ from rbee_worker.engine.plan import (
     Failed,
     Forward,
     Generated,
+    Lost,
     Plan,
     Progress,
     Sequence,
 )
-from rbee_worker.engine.prompt_cache import common_prefix
+from rbee_worker.engine.prompt_cache import PrefixHit, RuntimePrefixes, common_prefix
 from rbee_worker.engine.runner import Capabilities, KvGeometry
 from rbee_worker.engine.types import ErrorCode, StopReason
 
@@ -86,10 +87,11 @@ class Scheduler:
         capabilities: Capabilities,
         kv: KvGeometry,
         eos_ids: frozenset[int] = frozenset(),
-        reuse: Callable[[int, tuple[int, ...], int], int] | None = None,
+        prefixes: RuntimePrefixes | None = None,
         proposer: Proposer | None = None,
     ) -> None:
         """`capabilities`: the runner's (see the module docstring); `eos_ids`: the tokens that end a sequence;
+        `prefixes`: what a runtime whose memory the block pool does not describe holds (Runner.prefixes);
         `proposer`: tokens proposed for a decode row to verify, where the runner's rows carry several."""
         self.config = config
         self.whole_prompts = capabilities.whole_prompts
@@ -106,8 +108,10 @@ class Scheduler:
             if kv.window_blocks
             else None
         )
-        # Where the runtime keeps a prefix cache of its own (Runner.reuse), it is asked instead of the block pool's.
-        self._reuse = reuse if config.prefix_caching and not kv.shared_blocks else None
+        # Where the runtime keeps a prefix cache of its own (Runner.prefixes), it is looked up instead of the pool's.
+        self._prefixes = prefixes if config.prefix_caching and not kv.shared_blocks else None
+        self._restores: list[tuple[Sequence, PrefixHit]] = []  # the prefixes this round's plan restores
+        self._lost: set[Sequence] = set()  # sequences whose restore failed: they look up nothing more
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # admission order, which is arrival order
         self._by_id: dict[str, Sequence] = {}
@@ -161,7 +165,8 @@ class Scheduler:
             elif decoding:
                 forwards.append(Forward([], decoding))
         preempted, self._preempted = self._preempted, []
-        return Plan(preempted, started, forwards)
+        restores, self._restores = self._restores, []
+        return Plan(preempted, started, forwards, restores)
 
     def _decode(self, sequence: Sequence) -> Decode | None:
         """The sequence's decode row (its last token, after the one in flight where a row of it is, then what the
@@ -242,15 +247,16 @@ class Scheduler:
     def _look_up(self, sequence: Sequence) -> None:
         """A sequence about to read its prompt takes the longest cached prefix of it (never the whole prompt: its last
         token is computed for the logits that pick the first output; and at least uniform_rows tokens are left, see
-        the module docstring): whole blocks of the pool's prefix cache, or what the runtime's own cache holds
-        (Runner.reuse). A sequence scoring or embedding its prompt takes none: it needs every position's output."""
+        the module docstring): whole blocks of the pool's prefix cache, or what the runtime's own memory holds
+        (Runner.prefixes; the plan restores it). A sequence scoring or embedding its prompt takes none: it needs
+        every position's output."""
         if sequence.scoring or sequence.request.embed:
             return
         limit = max(sequence.prefill_end - max(self.uniform_rows, 1), 0)
         if self.config.deterministic:
             limit -= limit % self.config.prefill_chunk
         tokens = sequence.token_ids(0, sequence.prefill_end)
-        if self._reuse is None:
+        if self._prefixes is None:
             found = self.blocks.match(sequence.table, tokens, limit)
             # In deterministic mode whole chunks only (the pool evicts a chunk's last blocks before its first ones).
             multiple = math.lcm(self.config.prefill_chunk, self.blocks.block_size) if self.config.deterministic else 1
@@ -261,11 +267,14 @@ class Scheduler:
             sequence.cached = found
             return
         assert sequence.row is not None
-        if sequence in self._preempted:  # its runtime memory goes when this round starts (Runner.evict)
+        if sequence in self._preempted or sequence in self._lost:  # its runtime memory goes when this round starts
             return
-        found = self._reuse(sequence.row, tokens, limit)
+        busy = [s.row for s in self._preempted if s.row is not None]  # their memory goes before a restore could copy
+        hit = self._prefixes.find(sequence.row, tokens, limit, busy)
         # The runtime's cells are its own; the pool accounts for them as the sequence's blocks.
-        sequence.cached = found if self.blocks.grow(sequence.table, found) else 0
+        if hit is not None and self.blocks.grow(sequence.table, len(hit.token_ids)):
+            sequence.cached = len(hit.token_ids)
+            self._restores.append((sequence, hit))
 
     def _room(self, sequence: Sequence, tokens: int, wait: bool = False) -> bool:
         """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.
@@ -355,10 +364,21 @@ class Scheduler:
                 progress.append(outcome)
                 if isinstance(outcome, Failed) or outcome.stop is not None:
                     ended.add(item.sequence)
+            elif isinstance(item, Lost):
+                self._restart(item.sequence)
             elif not item.sequence.finished and item.sequence not in ended:
                 progress.append(item)
                 ended.add(item.sequence)
         return progress
+
+    def _restart(self, sequence: Sequence) -> None:
+        """The runtime lost the prefix restored for the sequence: it reads its prompt from the start, looking up
+        nothing (what it found is no longer counted as found)."""
+        self._lost.add(sequence)
+        self.blocks.hit_tokens -= sequence.cached_prompt_tokens
+        sequence.cached_prompt_tokens = 0
+        self._release(sequence)
+        sequence.cached = 0
 
     def _drawn(self, drawn: Drawn) -> Generated | Failed:
         """A running sequence's sampled tokens (see `update`)."""
@@ -435,5 +455,6 @@ class Scheduler:
         self._free_rows.append(row)
         self._release(sequence)
         self._settling.discard(sequence)
+        self._lost.discard(sequence)
         sequence.cached = 0
         return row

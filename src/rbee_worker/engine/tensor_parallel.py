@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.grammar import Matcher
+from rbee_worker.engine.prompt_cache import PrefixHit
 from rbee_worker.engine.runner import (
     Capabilities,
     DecodeRow,
@@ -59,6 +60,8 @@ def serving_config(config: EngineConfig) -> EngineConfig:
 class TensorParallelRunner:
     """Rank 0's runner: rank 0's TorchRunner over its shard, each forward's rows sent to the other ranks first."""
 
+    prefixes = None  # the block pool is the prefix cache
+
     # One forward at a time, each of one kind, finished when it returns (see the module docstring).
     capabilities = Capabilities(mixed_batches=False)
 
@@ -85,8 +88,8 @@ class TensorParallelRunner:
     def masks(self, rows: Sequence[tuple[int, Matcher]]) -> None:
         self.local.masks(rows)
 
-    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        return self.local.reuse(row, token_ids, limit)
+    def restore(self, row: int, hit: PrefixHit) -> bool:
+        raise NotImplementedError("the block pool is the prefix cache (prefixes is None)")
 
     def evict(self, row: int) -> None:
         self.local.evict(row)

@@ -35,6 +35,7 @@ from rbee_worker.engine.kv_cache import (
     prefill_mask,
     sliding_layers,
 )
+from rbee_worker.engine.prompt_cache import PrefixHit
 from rbee_worker.engine.rows import RowSampling, WindowLayers, device_fault, kv_budget, kv_pool, pooled_rows, score
 from rbee_worker.engine.runner import (
     Capabilities,
@@ -81,6 +82,8 @@ CPU_KEY_BLOCK = 512
 class TorchRunner:
     """Prepares a loaded model for serving (merged projections, oneDNN packing on a CPU, the engine's attention, the
     KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine thread."""
+
+    prefixes = None  # the block pool is the prefix cache
 
     # Prompt chunks and decode rows run as separate forwards: the rows of one forward are padded to one width.
     capabilities = Capabilities(mixed_batches=False)
@@ -138,9 +141,8 @@ class TorchRunner:
     def features(self, rows: Sequence[int]) -> SamplerFeatures:
         return self.sampling.features(rows)
 
-    def reuse(self, row: int, token_ids: Sequence[int], limit: int) -> int:
-        """Nothing: the block pool's prefix cache serves this runner (its blocks are where its keys and values are)."""
-        return 0
+    def restore(self, row: int, hit: PrefixHit) -> bool:
+        raise NotImplementedError("the block pool is the prefix cache (prefixes is None)")
 
     def evict(self, row: int) -> None:
         """Nothing to do: the request's keys and values are in its blocks, which the scheduler took back."""
