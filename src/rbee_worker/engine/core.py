@@ -12,6 +12,22 @@ from rbee_worker.engine.plan import Sequence
 from rbee_worker.engine.runner import Runner
 from rbee_worker.engine.scheduler import Proposer, Scheduler
 from rbee_worker.engine.types import ErrorCode, StopReason
+from rbee_worker.models.loaded import LoadedModel
+
+
+def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
+    """The runner of the loaded model's runtime (models/loader.py chose it)."""
+    if loaded.info.encoder:
+        from rbee_worker.engine.encoder_runner import EncoderRunner
+
+        return EncoderRunner(loaded, config)
+    if loaded.info.runtime == "llama.cpp":
+        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
+
+        return LlamaCppRunner(loaded, config)
+    from rbee_worker.engine.torch_runner import TorchRunner
+
+    return TorchRunner(loaded, config)
 
 
 class EngineCore:

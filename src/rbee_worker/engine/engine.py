@@ -24,43 +24,25 @@ import torch
 
 from rbee_worker.chat.reasoning import ReasoningFormat, detect_reasoning
 from rbee_worker.engine.config import EngineConfig
-from rbee_worker.engine.core import EngineCore
+from rbee_worker.engine.core import EngineCore, make_runner
 from rbee_worker.engine.detokenizer import Detokenizer, token_texts
 from rbee_worker.engine.grammar import Grammars
 from rbee_worker.engine.mailbox import EventStream, LoopMailbox
-from rbee_worker.engine.output import Ended, EngineObserver, send
+from rbee_worker.engine.output import Ended, EngineObserver, log_finished, send
 from rbee_worker.engine.plan import Output, Sequence, Sink
 from rbee_worker.engine.runner import DeviceFault, Runner
-from rbee_worker.engine.sampler import MAX_TOP_LOGPROBS, check_seed
+from rbee_worker.engine.sampler import check_seed
 from rbee_worker.engine.sampling import random_seed
 from rbee_worker.engine.scheduler import Proposer
 from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request
+from rbee_worker.engine.validation import RequestError, check_request
 from rbee_worker.models.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """A request the engine refuses before generating (the message says why)."""
-
-
 class DuplicateRequest(RuntimeError):
     """A request with this id is already in flight."""
-
-
-def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
-    """The runner of the loaded model's runtime (models/loader.py chose it)."""
-    if loaded.info.encoder:
-        from rbee_worker.engine.encoder_runner import EncoderRunner
-
-        return EncoderRunner(loaded, config)
-    if loaded.info.runtime == "llama.cpp":
-        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
-
-        return LlamaCppRunner(loaded, config)
-    from rbee_worker.engine.torch_runner import TorchRunner
-
-    return TorchRunner(loaded, config)
 
 
 class EngineBusy(RuntimeError):
@@ -193,34 +175,8 @@ class Engine:
         return self._runner.kv.context
 
     def validate(self, request: Request) -> None:
-        """Raise RequestError for a request that cannot run on this model."""
-        context = self.context_length
-        if not request.prompt_ids:
-            raise RequestError("the prompt is empty after tokenization")
-        if request.max_tokens < 0:
-            raise RequestError("max_tokens must be at least 0")
-        if any(token >= self.vocab_size for token, _ in request.sampling.logit_bias):
-            raise RequestError(f"logit_bias token ids must be below the vocabulary's {self.vocab_size}")
-        if not request.embed and self.loaded.info.encoder:
-            raise RequestError(
-                f"{self.loaded.info.name} is an encoder model: it computes embeddings (POST /v1/embeddings) and "
-                "generates no text"
-            )
-        if request.embed and (request.max_tokens != 0 or request.grammar is not None):
-            raise RequestError("an embedding request generates nothing: max_tokens 0, no grammar")
-        if request.embed and (unsupported := self.loaded.pooling.unsupported):
-            raise RequestError(f"this model pools its embeddings by {unsupported}, which this worker does not compute")
-        if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
-        if len(request.prompt_ids) + request.max_tokens > context:
-            raise RequestError(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the model's "
-                f"context of {context} tokens; shorten the prompt or lower max_tokens"
-            )
-        if any(not s for s in request.stop):
-            raise RequestError("stop strings must be non-empty")
-        if request.grammar is not None and request.ignore_eos:
-            raise RequestError("ignore_eos cannot go with a grammar, which ends the output where the grammar does")
+        """Raise RequestError for a request that cannot run on this model (engine/validation.py)."""
+        check_request(request, self.loaded, self.context_length, self.vocab_size)
 
     @property
     def reasoning(self) -> ReasoningFormat | None:
@@ -470,30 +426,8 @@ class Engine:
         """Its id may come again, and its caller hears of the request's end."""
         with self._in_flight_lock:
             self._in_flight.discard(sequence.request_id)
-        _log_finished(sequence.request, terminal)
+        log_finished(sequence.request, terminal)
         send(sequence, terminal)
-
-
-def _log_finished(request: Request, terminal: End | Error) -> None:
-    """The one log line per finished request (CONTRACT.md §5)."""
-    fields: dict[str, object] = {"job_id": request.request_id, "correlation_id": request.correlation_id}
-    if isinstance(terminal, Error):
-        fields |= {"prompt_tokens": len(request.prompt_ids), "error": terminal.code.value, "message": terminal.message}
-        log.log(
-            logging.INFO if terminal.code is ErrorCode.CANCELLED else logging.WARNING,
-            "job failed",
-            extra={"fields": fields},
-        )
-        return
-    decode_rate = (terminal.tokens_out - 1) / terminal.decode_time_s if terminal.decode_time_s > 0 else 0.0
-    fields |= {
-        "prompt_tokens": terminal.prompt_tokens,
-        "tokens_out": terminal.tokens_out,
-        "ttft_ms": round(terminal.time_to_first_token_s * 1000, 1),
-        "tokens_per_s": round(max(decode_rate, 0.0), 1),
-        "stop_reason": terminal.stop_reason.value,
-    }
-    log.info("job finished", extra={"fields": fields})
 
 
 def freeze_heap() -> None:

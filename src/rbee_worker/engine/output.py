@@ -222,3 +222,25 @@ def send(sequence: Sequence, event: Event) -> None:
     except Exception:
         log.warning("could not deliver an event of request %s; cancelling it", sequence.request_id)
         sequence.output.undeliverable = True
+
+
+def log_finished(request: Request, terminal: End | Error) -> None:
+    """The one log line per finished request (CONTRACT.md §5)."""
+    fields: dict[str, object] = {"job_id": request.request_id, "correlation_id": request.correlation_id}
+    if isinstance(terminal, Error):
+        fields |= {"prompt_tokens": len(request.prompt_ids), "error": terminal.code.value, "message": terminal.message}
+        log.log(
+            logging.INFO if terminal.code is ErrorCode.CANCELLED else logging.WARNING,
+            "job failed",
+            extra={"fields": fields},
+        )
+        return
+    decode_rate = (terminal.tokens_out - 1) / terminal.decode_time_s if terminal.decode_time_s > 0 else 0.0
+    fields |= {
+        "prompt_tokens": terminal.prompt_tokens,
+        "tokens_out": terminal.tokens_out,
+        "ttft_ms": round(terminal.time_to_first_token_s * 1000, 1),
+        "tokens_per_s": round(max(decode_rate, 0.0), 1),
+        "stop_reason": terminal.stop_reason.value,
+    }
+    log.info("job finished", extra={"fields": fields})

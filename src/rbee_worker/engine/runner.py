@@ -3,7 +3,7 @@
 A runner owns the model, its KV cache and each batch row's sampling state. It takes rows (a request's batch row, its
 block table, the tokens to feed and their positions) and gives back, for each row that samples, the chosen token:
 on the torch runtime (engine/torch_runner.py, CUDA graphs and compiled layers), on llama.cpp's
-(engine/llama_cpp_runner.py), and for an encoder's embeddings (engine/encoder_runner.py); engine.py's make_runner
+(engine/llama_cpp_runner.py), and for an encoder's embeddings (engine/encoder_runner.py); core.py's make_runner
 picks one. How a runner computes a step is its own affair; what differs between runners that the step loop must know
 is data: `Capabilities`, `KvGeometry`, and whether a launched step's tokens are ready (`Launched.ready`). This module
 imports none of them.
