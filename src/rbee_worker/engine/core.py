@@ -5,6 +5,8 @@ next; none calls another. The requests a step ends come back to the caller (engi
 terminal events.
 """
 
+import functools
+
 from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.executor import Executor
 from rbee_worker.engine.output import Ended, EngineObserver, OutputProcessor
@@ -41,10 +43,13 @@ class EngineCore:
         proposer: Proposer | None = None,
     ) -> None:
         eos = runner.loaded.info.eos_token_ids
+        # The model's pooling, read (from its files) at the first embedding request, once for the executor and the
+        # output processor.
+        pooling = functools.cache(lambda: runner.loaded.pooling.mode)
         self.runner = runner
         self.scheduler = Scheduler(config, runner.capabilities, runner.kv, eos, runner.prefixes, proposer)
-        self.executor = Executor(runner, eos)
-        self.output = OutputProcessor(runner.kv.request_bytes, lambda: runner.loaded.pooling.mode, observer)
+        self.executor = Executor(runner, eos, pooling)
+        self.output = OutputProcessor(runner.kv.request_bytes, pooling, observer)
 
     def step(self) -> list[Ended]:
         """One round; the requests it ends."""

@@ -21,9 +21,8 @@ while carrying out a plan fails the plan's requests with INTERNAL_ERROR and its 
 """
 
 import contextlib
-import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,17 +46,13 @@ class _Launched:
 class Executor:
     """Carries out the plans of one engine thread; holds the decode step launched and not yet collected."""
 
-    def __init__(self, runner: Runner, eos_ids: frozenset[int]) -> None:
+    def __init__(self, runner: Runner, eos_ids: frozenset[int], pooling: Callable[[], str]) -> None:
         self.runner = runner
         self._eos = eos_ids
+        self._pooling = pooling  # the model's pooling, for an embedding request's chunks (PromptRow.pool)
         self._pending: _Launched | None = None
         self._out: Executed = []
         self._taken: dict[Sequence, int] = {}  # the last token taken this round of each sequence whose row chains
-
-    @functools.cached_property
-    def pooling(self) -> str:
-        """What an embedding request's chunks give (PromptRow.pool): the model's pooling, read at the first one."""
-        return self.runner.loaded.pooling.mode
 
     def execute(self, plan: Plan) -> Executed:
         """The plan's runner calls, in its order; what they computed and sampled, in order."""
@@ -99,9 +94,7 @@ class Executor:
             for forward in plan.forwards:
                 for sequence in [c.sequence for c in forward.chunks] + [d.sequence for d in forward.decode]:
                     self._out.append(Failed(sequence, ErrorCode.INTERNAL_ERROR, f"internal error: {exc}"))
-        out, self._out = self._out, []
-        self._taken.clear()
-        return out
+        return self._results()
 
     def release(self, row: int) -> None:
         """The request in this batch row has ended: whatever the runtime keeps for it beyond its blocks goes, or into
@@ -111,6 +104,10 @@ class Executor:
     def drain(self) -> Executed:
         """The tokens of a step still in flight (before the engine stops)."""
         self._settle()
+        return self._results()
+
+    def _results(self) -> Executed:
+        """What this round computed, handed over; the next round starts afresh."""
         out, self._out = self._out, []
         self._taken.clear()
         return out
@@ -129,7 +126,7 @@ class Executor:
         sequences = [c.sequence for c in forward.chunks] + [d.sequence for d in forward.decode]
         stepped = None
         with self._failing(sequences):
-            pooling = self.pooling if any(c.sequence.request.embed for c in forward.chunks) else None
+            pooling = self._pooling() if any(c.sequence.request.embed for c in forward.chunks) else None
             prompts = _prompt_rows(forward.chunks, pooling)
             stepped = self.runner.step(prompts, [self._decode_row(d, chain=False) for d in forward.decode])
         if stepped is None:
@@ -179,8 +176,12 @@ class Executor:
         sequence = decode.sequence
         assert sequence.row is not None
         chained = decode.chained and chain
-        taken = 0 if chained else self._taken.get(sequence, 0)
-        last = taken if decode.chained else sequence.output_ids[-1]
+        if not decode.chained:
+            last = sequence.output_ids[-1]
+        elif chained:
+            last = 0  # read on the device
+        else:
+            last = self._taken.get(sequence, 0)
         return DecodeRow(
             sequence.row,
             sequence.table.blocks,

@@ -189,8 +189,8 @@ class LlamaCppRunner:
         self.sampling.masks(rows)
 
     def restore(self, row: int, hit: PrefixHit) -> bool:
-        """The prefix that `prefixes` found, given to the row's sequence (emptied first); False, the sequence empty and
-        a saved state that failed dropped, where llama.cpp could not restore it."""
+        """The prefix that `prefixes` found, given to the row's sequence (emptied first). False where llama.cpp cannot
+        restore it: the sequence is left empty and the saved state is dropped from the prompt cache."""
         self._clear(row)
         found = len(hit.token_ids)
         if hit.source is not None and self._unified:

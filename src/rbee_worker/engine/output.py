@@ -7,7 +7,6 @@ tokens into events and says when a request's text ends it. It calls no other sta
 returned. Everything here runs on the engine thread.
 """
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -73,10 +72,6 @@ class OutputProcessor:
         self._pooling = pooling  # the model's pooling (LoadedModel.pooling's mode), read at the first embedding
         self.observer = observer or NoObserver()
 
-    @functools.cached_property
-    def mean_pooling(self) -> bool:
-        return self._pooling() == "mean"
-
     def started(self, sequence: Sequence) -> None:
         send(sequence, Started(sequence.request_id, len(sequence.request.prompt_ids), sequence.seed))
 
@@ -87,7 +82,7 @@ class OutputProcessor:
         ended: list[Ended] = []
         done: set[Sequence] = set()
         for item in progress:
-            sequence = item.sequence if not isinstance(item, Computed) else item.chunk.sequence
+            sequence = item.sequence
             if sequence in done:
                 continue
             try:
@@ -147,7 +142,7 @@ class OutputProcessor:
         ends the prompt, whose Embedding goes out (the mean over its positions, or the pooled position's vector). A
         chunk from position 0 starts afresh: after a preemption the prompt is computed again from there."""
         output = sequence.output
-        mean = self.mean_pooling
+        mean = self._pooling() == "mean"
         if start == 0:
             output.pooled = None
         if pooled is not None:

@@ -161,6 +161,10 @@ class Computed:
     scored: tuple[TokenLogprob, ...] = ()
     pooled: np.ndarray | None = None
 
+    @property
+    def sequence(self) -> Sequence:
+        return self.chunk.sequence
+
 
 @dataclass(frozen=True)
 class Drawn:

@@ -118,17 +118,16 @@ class RuntimePrefixes:
         self.least = least  # a shorter prefix is not worth restoring (a block's worth)
         self.saved_only = saved_only
 
-    def find(self, row: int, token_ids: Sequence[int], limit: int, busy: Sequence[int] = ()) -> PrefixHit | None:
-        """The longest prefix of `token_ids[:limit]` that a saved state or another row's sequence (but those in
-        `busy`, whose memory goes before it could be copied) holds; among equal ones, an exact one. None under
-        `least` tokens."""
+    def find(self, row: int, token_ids: Sequence[int], limit: int) -> PrefixHit | None:
+        """The longest prefix of `token_ids[:limit]` that a saved state or another row's sequence holds; among equal
+        ones, an exact one. None under `least` tokens."""
         wanted = list(token_ids[:limit])
         found, key = self.prompts.longest(wanted)
         exact = min(found, self.prompts.exact(key)) if key is not None else 0
         source = None
         if not self.saved_only:
             for other, held in enumerate(self.held):
-                if other == row or other in busy:
+                if other == row:
                     continue
                 shared = common_prefix(held, wanted)
                 if (shared, min(shared, self.exact[other])) > (found, exact):

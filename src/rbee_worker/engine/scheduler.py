@@ -109,7 +109,7 @@ class Scheduler:
             else None
         )
         # Where the runtime keeps a prefix cache of its own (Runner.prefixes), it is looked up instead of the pool's.
-        self._prefixes = prefixes if config.prefix_caching and not kv.shared_blocks else None
+        self._prefixes = prefixes
         self._restores: list[tuple[Sequence, PrefixHit]] = []  # the prefixes this round's plan restores
         self._lost: set[Sequence] = set()  # sequences whose restore failed: they look up nothing more
         self.waiting: deque[Sequence] = deque()  # arrival order
@@ -269,8 +269,7 @@ class Scheduler:
         assert sequence.row is not None
         if sequence in self._preempted or sequence in self._lost:  # its runtime memory goes when this round starts
             return
-        busy = [s.row for s in self._preempted if s.row is not None]  # their memory goes before a restore could copy
-        hit = self._prefixes.find(sequence.row, tokens, limit, busy)
+        hit = self._prefixes.find(sequence.row, tokens, limit)  # restored before this round's evictions
         # The runtime's cells are its own; the pool accounts for them as the sequence's blocks.
         if hit is not None and self.blocks.grow(sequence.table, len(hit.token_ids)):
             sequence.cached = len(hit.token_ids)
@@ -346,7 +345,7 @@ class Scheduler:
         self._abandoned = []
         for item in executed:
             if isinstance(item, Computed):
-                sequence = item.chunk.sequence
+                sequence = item.sequence
                 if sequence.finished or sequence in ended:
                     continue
                 sequence.cached += item.chunk.count
