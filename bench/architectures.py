@@ -43,16 +43,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from rbee_worker.benchmark.run import machine
-from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Error, Request, Token
+from rbee_worker.engine.engine_config import EngineConfig
+from rbee_worker.engine.request_types import End, Error, Request, Token
+from rbee_worker.engine.sampling.sampling_params import SamplingParams
 from rbee_worker.errors import ModelLoadError
-from rbee_worker.models.demo import demo_model_path
-from rbee_worker.models.gguf_format import read_gguf
-from rbee_worker.models.gguf_tokenizer import build_tokenizer
-from rbee_worker.models.loader import load_model
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.loading.demo import demo_model_path
+from rbee_worker.loading.gguf.gguf_format import read_gguf
+from rbee_worker.loading.gguf.gguf_tokenizer import build_tokenizer
+from rbee_worker.loading.loader import load_model
 
 NEW_TOKENS = 32
 PROMPTS = ("Once upon a time, in a small village by the sea, there lived", "def fibonacci(n):\n    if n < 2:\n")

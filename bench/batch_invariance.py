@@ -15,12 +15,12 @@ import re
 from pathlib import Path
 
 from rbee_worker.benchmark.run import machine
-from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Request, Token
-from rbee_worker.models.loader import load_model, resolve_model_path
+from rbee_worker.engine.engine_config import EngineConfig
+from rbee_worker.engine.request_types import End, Request, Token
+from rbee_worker.engine.sampling.sampling_params import SamplingParams
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.loading.loader import load_model, resolve_model_path
 
 TEXT = "Once upon a time, in a small village by the sea, there lived"
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from rbee_worker.cpu_features import cpu_features
-from rbee_worker.devices import resolve_placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Request, Token
-from rbee_worker.models.loader import load_model
+from rbee_worker.engine.request_types import End, Request, Token
+from rbee_worker.engine.sampling.sampling_params import SamplingParams
+from rbee_worker.hardware.cpu_features import cpu_features
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.loading.loader import load_model
 
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman who told stories. "
 PROMPT_TOKENS = 512

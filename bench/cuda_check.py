@@ -17,11 +17,11 @@ import torch
 import transformers
 from shapes import SHAPES, write_model
 
-from rbee_worker.devices import Placement
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.types import End, Request, Token
-from rbee_worker.models.loader import load_model
+from rbee_worker.engine.request_types import End, Request, Token
+from rbee_worker.engine.sampling.sampling_params import SamplingParams
+from rbee_worker.hardware.devices import Placement
+from rbee_worker.loading.loader import load_model
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The paged split-KV decode attention kernel (src/rbee_worker/engine/decode_attention.py) alone on CUDA: the bytes of
+"""The paged split-KV decode attention kernel (src/rbee_worker/kernels/decode_attention.py) alone on CUDA: the bytes of
 keys and values it reads per second for decode shapes of a model, over its launch parameters, against the GPU's read
 bandwidth measured in the same run.
 
@@ -22,8 +22,8 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from rbee_worker.engine import decode_attention as kernel
-from rbee_worker.engine.attention import paged_reference
+from rbee_worker.engine.runners.torch.attention import paged_reference
+from rbee_worker.kernels import decode_attention as kernel
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64), "llama-3.1-70b": (64, 8, 128)}
 CASES = ((1, 32), (1, 8000), (64, 100), (64, 2000))

@@ -36,7 +36,7 @@ import httpx
 from kv_cache import worker
 
 from rbee_worker.benchmark.run import TEXT, machine, tokenizer_of
-from rbee_worker.models.loader import resolve_model_path
+from rbee_worker.loading.loader import resolve_model_path
 
 PROBE_EVERY_S = 0.005
 CASES = ("gil", "stall", "streams", "tokenize")

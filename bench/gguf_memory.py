@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
-from rbee_worker.models.demo import demo_model_path
-from rbee_worker.models.gguf_format import read_gguf
+from rbee_worker.loading.demo import demo_model_path
+from rbee_worker.loading.gguf.gguf_format import read_gguf
 
 SHAPE = {"vocab": 128256, "hidden": 4096, "mlp": 14336, "layers": 32, "heads": 32, "kv_heads": 8, "context": 131072}
 Q4_0 = GGMLQuantizationType.Q4_0
@@ -77,8 +77,8 @@ def write_file(path: Path) -> None:
 # Run in a fresh process, so that its resident memory is the worker's load alone.
 MEASURE = """
 import json, sys, psutil, torch
-from rbee_worker.devices import Placement
-from rbee_worker.models.loader import load_model
+from rbee_worker.hardware.devices import Placement
+from rbee_worker.loading.loader import load_model
 loaded = load_model(sys.argv[1], Placement(torch.device("cpu"), torch.bfloat16), quantize="int4")
 kinds = {}
 for module in loaded.model.modules():

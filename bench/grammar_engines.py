@@ -1,9 +1,9 @@
 """xgrammar against llguidance, the two maintained grammar engines vLLM offers, on the grammars this worker compiles:
 what each costs a constrained token and a request, for the same token sequences, on the model's tokenizer.
 
-The worker constrains decoding with xgrammar (engine/grammar.py); this bench is the measurement behind that choice,
-and reruns it on any machine. Both engines compute a row's allowed tokens on the host into the same layout (int32
-words, bit b of word j for token 32 * j + b), so the sampler's device-side masking is the same for either: what
+The worker constrains decoding with xgrammar (engine/structured/grammar.py); this bench is the measurement behind that
+choice, and reruns it on any machine. Both engines compute a row's allowed tokens on the host into the same layout
+(int32 words, bit b of word j for token 32 * j + b), so the sampler's device-side masking is the same for either: what
 differs is host time. For each grammar:
 
 - `compile ms`: from the schema to a request's first mask (xgrammar: compile_json_schema, a matcher, the first fill;
@@ -45,11 +45,11 @@ import numpy as np
 
 from rbee_worker.benchmark.run import machine
 from rbee_worker.chat.tools import forced_grammar
-from rbee_worker.cpu_features import cpu_features
-from rbee_worker.engine.grammar import host_bitmask, tokenizer_info
-from rbee_worker.models.demo import demo_model_path
-from rbee_worker.models.gguf_format import read_gguf
-from rbee_worker.models.gguf_tokenizer import build_tokenizer
+from rbee_worker.engine.structured.grammar import host_bitmask, tokenizer_info
+from rbee_worker.hardware.cpu_features import cpu_features
+from rbee_worker.loading.demo import demo_model_path
+from rbee_worker.loading.gguf.gguf_format import read_gguf
+from rbee_worker.loading.gguf.gguf_tokenizer import build_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from structured_output import NAMED_FLAGS, schema

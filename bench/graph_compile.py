@@ -1,13 +1,13 @@
 """One decode step replayed as a CUDA graph (the engine's DecodeGraphs) for a few (rows, attention span) buckets: the
-model plain with transformers' sdpa attention, plain with the engine's attention (engine/attention.py), and through
-torch.compile (inductor kernels inside the same graph). GPU only.
+model plain with transformers' sdpa attention, plain with the engine's attention (engine/runners/torch/attention.py),
+and through torch.compile (inductor kernels inside the same graph). GPU only.
 
     PYTHONPATH=src python bench/graph_compile.py --model M [--dynamic] [--regional]
 
 Without --dynamic each shape is compiled for itself (a fair kernel-level comparison); with it, the engine's own
 setting (`torch.compile(dynamic=True)`, one compilation for all shapes). --regional compiles the decoder layers
-instead of the whole model, as the engine's --compile does (engine/compiled.py: the layers share one compiled code,
-dynamic shapes, so the compile time is about one layer's). Prints each step time (median of 3 x 50
+instead of the whole model, as the engine's --compile does (engine/runners/torch/compiled.py: the layers share one
+compiled code, dynamic shapes, so the compile time is about one layer's). Prints each step time (median of 3 x 50
 replays) and writes bench/results/graph_compile_<model>_<card>.json.
 """
 
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.attention import use_engine_attention
-from rbee_worker.engine.compiled import compile_model
-from rbee_worker.engine.cuda_graphs import DecodeGraphs
-from rbee_worker.engine.kv_cache import SlotCache
-from rbee_worker.engine.sampler import SamplerFeatures, SamplerState
-from rbee_worker.engine.torch_runner import cache_kwarg
-from rbee_worker.models.loader import load_model
+from rbee_worker.engine.runners.torch.attention import use_engine_attention
+from rbee_worker.engine.runners.torch.compiled import compile_model
+from rbee_worker.engine.runners.torch.cuda_graphs import DecodeGraphs
+from rbee_worker.engine.runners.torch.kv_cache import SlotCache
+from rbee_worker.engine.runners.torch.torch_runner import cache_kwarg
+from rbee_worker.engine.sampling.sampler import SamplerFeatures, SamplerState
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.loading.loader import load_model
 
 SHAPES = ((1, 1024), (64, 1024))
 

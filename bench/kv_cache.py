@@ -257,7 +257,7 @@ def chat_case(args: argparse.Namespace, work: Path, flags: list[str]) -> dict:
 
 
 def spec_tokenizer(args: argparse.Namespace) -> object:
-    from rbee_worker.models.loader import resolve_model_path
+    from rbee_worker.loading.loader import resolve_model_path
 
     return tokenizer_of(resolve_model_path(args.model))
 
@@ -267,7 +267,7 @@ def kv_bytes_read(config: object, tokens: int) -> int:
     sliding layer's only over its window."""
     import torch
 
-    from rbee_worker.engine.kv_cache import kv_shape, sliding_layers
+    from rbee_worker.engine.runners.torch.kv_cache import kv_shape, sliding_layers
 
     heads, key_dim, value_dim = kv_shape(config)
     window, sliding = sliding_layers(config)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if "read_bandwidth_gb_s" in result["machine"] and result.get("this", {}).get("weight_bytes"):
         from transformers import AutoConfig
 
-        from rbee_worker.models.loader import resolve_model_path
+        from rbee_worker.loading.loader import resolve_model_path
 
         config = AutoConfig.from_pretrained(resolve_model_path(args.model))
         ceilings(args, result, result["this"], config)

@@ -31,9 +31,9 @@ from rbee_worker.benchmark.accuracy import (
     torch_logits,
     write_float32_copy,
 )
-from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.cpu_linear import can_pack, pack_linears
-from rbee_worker.models.loader import load_model, resolve_model_path
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.layers.cpu_linear import can_pack, pack_linears
+from rbee_worker.loading.loader import load_model, resolve_model_path
 
 TEXT_FILE_TOKENS = 1024  # within the 2048-token context both sides get
 

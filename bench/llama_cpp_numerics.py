@@ -21,8 +21,8 @@ from pathlib import Path
 import llama_cpp.llama_cpp as native
 import numpy as np
 
-from rbee_worker.cpu_features import cpu_features
-from rbee_worker.models.loader import resolve_model_path
+from rbee_worker.hardware.cpu_features import cpu_features
+from rbee_worker.loading.loader import resolve_model_path
 
 PROMPT = " ".join(f"The bee number {i} visits flower {i * 7 % 13} in the garden of the queen." for i in range(30))
 OTHER = " ".join(f"Other text {i} about rivers and {i * 3} mountains." for i in range(25))

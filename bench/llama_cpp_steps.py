@@ -29,17 +29,17 @@ import llama_cpp.llama_cpp as native
 from rbee_worker.benchmark.llama_cpp import batched_decode
 from rbee_worker.benchmark.peers import SAMPLING
 from rbee_worker.benchmark.run import TEXT, machine
-from rbee_worker.devices import resolve_placement
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner
-from rbee_worker.engine.output import OutputProcessor
-from rbee_worker.engine.rows import RowSampling
-from rbee_worker.engine.sampling import SamplingParams
-from rbee_worker.engine.scheduler import Scheduler
-from rbee_worker.engine.types import End, Error, Request
-from rbee_worker.models.demo import demo_model_path
-from rbee_worker.models.loader import load_model
+from rbee_worker.engine.engine_config import EngineConfig
+from rbee_worker.engine.output_processor import OutputProcessor
+from rbee_worker.engine.request_types import End, Error, Request
+from rbee_worker.engine.runners.llama_cpp.llama_cpp_runner import LlamaCppRunner
+from rbee_worker.engine.runners.rows import RowSampling
+from rbee_worker.engine.sampling.sampling_params import SamplingParams
+from rbee_worker.engine.scheduling.scheduler import Scheduler
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.loading.demo import demo_model_path
+from rbee_worker.loading.loader import load_model
 
 PHASES = ("llama_decode", "sample", "runner_rest", "output", "schedule", "admit", "loop_rest")
 

@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from rbee_worker.models.demo import demo_model_path
+from rbee_worker.loading.demo import demo_model_path
 
 RBEE = """
-from rbee_worker.devices import resolve_placement
-from rbee_worker.models.loader import load_model
+from rbee_worker.hardware.devices import resolve_placement
+from rbee_worker.loading.loader import load_model
 load_model({path!r}, resolve_placement("cpu", "auto"))
 """
 TRANSFORMERS = """

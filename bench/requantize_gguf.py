@@ -11,7 +11,7 @@ import ctypes
 
 import llama_cpp.llama_cpp as native
 
-from rbee_worker.models.loader import resolve_model_path
+from rbee_worker.loading.loader import resolve_model_path
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""What the device sampler (engine/sampler.py's `sample`) costs per decode step, against a plain argmax of the same
-logits, for a few batch sizes and vocabularies, every row of a step in the same sampling mode.
+"""What the device sampler (engine/sampling/sampler.py's `sample`) costs per decode step, against a plain argmax of the
+same logits, for a few batch sizes and vocabularies, every row of a step in the same sampling mode.
 
     PYTHONPATH=src python bench/sampler.py [--device cpu|cuda] [--rows 1,16,64] [--vocab 49152,128256]
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from rbee_worker.benchmark.run import machine
-from rbee_worker.engine.cuda_graphs import capture
-from rbee_worker.engine.sampler import SamplerFeatures, SamplerState, pack, sample
-from rbee_worker.engine.sampling import SamplingParams
+from rbee_worker.engine.runners.torch.cuda_graphs import capture
+from rbee_worker.engine.sampling.sampler import SamplerFeatures, SamplerState, pack, sample
+from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
 CHAT = dict(temperature=0.7, top_p=0.9)
 # name: (parameters of every row, top logprobs asked for); chat's settings plus one stage each, as bench/sampling_ratio.

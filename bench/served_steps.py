@@ -31,7 +31,7 @@ import llama_cpp.llama_cpp as native
 
 from rbee_worker.benchmark.llama_cpp import batched_decode
 from rbee_worker.benchmark.run import build_spec, machine, stream_completion
-from rbee_worker.listener import bind
+from rbee_worker.server.listener import bind
 
 Step = tuple[float, float, int]  # start, end (perf_counter seconds), tokens in the batch
 

@@ -88,7 +88,7 @@ def run_case(engine: object, requests: list, args: argparse.Namespace, trace: Pa
     trace goes to `trace` (None: a warm-up, run to its end and neither timed nor profiled)."""
     import torch
 
-    from rbee_worker.engine.types import Token
+    from rbee_worker.engine.request_types import Token
 
     times: list[list[float]] = [[] for _ in requests]
 
@@ -142,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     import structured_output
 
     from rbee_worker.benchmark.run import TEXT, tokenizer_of
-    from rbee_worker.devices import resolve_placement
-    from rbee_worker.engine.config import EngineConfig
     from rbee_worker.engine.engine import Engine
-    from rbee_worker.engine.grammar import GrammarSpec
-    from rbee_worker.engine.sampling import SamplingParams
-    from rbee_worker.engine.types import Request
-    from rbee_worker.models.loader import load_model
+    from rbee_worker.engine.engine_config import EngineConfig
+    from rbee_worker.engine.request_types import Request
+    from rbee_worker.engine.sampling.sampling_params import SamplingParams
+    from rbee_worker.engine.structured.grammar import GrammarSpec
+    from rbee_worker.hardware.devices import resolve_placement
+    from rbee_worker.loading.loader import load_model
 
     placement = resolve_placement("cuda", args.dtype)
     engine = Engine(lambda: load_model(args.model, placement), EngineConfig(max_batch=64, compile_model=True))

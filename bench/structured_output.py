@@ -37,7 +37,7 @@ import httpx
 
 from rbee_worker.benchmark.peers import SAMPLING
 from rbee_worker.benchmark.run import machine, start_worker
-from rbee_worker.cpu_features import cpu_features
+from rbee_worker.hardware.cpu_features import cpu_features
 
 ITEM = {
     "type": "object",

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rbee_worker.models.cuda_weight_only import _int4_dot, int4_dequantize, int4_dot, int8_matmul
-from rbee_worker.models.int4_linear import Int4Linear
+from rbee_worker.kernels.cuda_weight_only import _int4_dot, int4_dequantize, int4_dot, int8_matmul
+from rbee_worker.layers.int4_linear import Int4Linear
 
 LAYERS = 32
 HIDDEN, KV, MLP, VOCAB = 4096, 1024, 14336, 128256

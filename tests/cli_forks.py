@@ -1,8 +1,8 @@
 """`rbee-worker` commands as real processes forked from one that has imported the CLI's modules once.
 
 A fresh `python -m rbee_worker` spends seconds importing torch and transformers before it reads its flags; tests that
-run many short commands (tests/test_load_errors.py: one per bad model) pay that once here. The zygote (this file run
-as a script) imports the modules, then forks a child per command: a process of its own, with its own exit code,
+run many short commands (tests/loading/test_load_errors.py: one per bad model) pay that once here. The zygote (this file
+run as a script) imports the modules, then forks a child per command: a process of its own, with its own exit code,
 stdout and stderr (stdin: /dev/null), as the real command has. Environment variables that a module reads when
 imported (the Hugging Face cache's, the instruction set caps of cpu_features.force_isa_environment) would keep the
 zygote's values: commands that set them run as plain processes (conftest.cli). What a fork cannot show is how long
@@ -183,8 +183,8 @@ def _zygote() -> None:
     # What `generate` imports first (torch, transformers, the engine) and what `serve` imports (FastAPI, uvicorn);
     # none of them starts a thread.
     import rbee_worker.cli
-    import rbee_worker.generate
-    import rbee_worker.server  # noqa: F401
+    import rbee_worker.cli.generate
+    import rbee_worker.server.worker  # noqa: F401
 
     for line in sys.stdin:
         request = json.loads(line)

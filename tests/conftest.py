@@ -20,14 +20,14 @@ import torch
 from serving import TEST_KV_GB, Worker, launch
 from xdist.scheduler import LoadScopeScheduling
 
-from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.plan import Computed, Drawn, Executed, Plan
-from rbee_worker.engine.runner import Sampled
-from rbee_worker.models.demo import cache_dir, demo_model_path
-from rbee_worker.models.llama_cpp_model import llama_cpp_installed
+from rbee_worker.engine.runners.protocol import Sampled
+from rbee_worker.loading.demo import cache_dir, demo_model_path
+from rbee_worker.loading.gguf.llama_cpp_model import llama_cpp_installed
 
 if TYPE_CHECKING:
-    from rbee_worker.engine.sampler import SamplerState
+    from rbee_worker.engine.sampling.sampler import SamplerState
 
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python is not installed")
 # The runtimes that a test parametrized over them runs on (llama.cpp's where llama-cpp-python is installed). Under a
@@ -68,8 +68,8 @@ def demo_hf_dir(demo_gguf: Path) -> Path:
         script = f"""
 import torch
 from transformers import AutoModelForCausalLM
-from rbee_worker.models.gguf_format import read_gguf
-from rbee_worker.models.gguf_tokenizer import build_tokenizer
+from rbee_worker.loading.gguf.gguf_format import read_gguf
+from rbee_worker.loading.gguf.gguf_tokenizer import build_tokenizer
 path = {str(demo_gguf)!r}
 model = AutoModelForCausalLM.from_pretrained({str(demo_gguf.parent)!r}, gguf_file={demo_gguf.name!r},
                                              dtype=torch.float32)
@@ -113,8 +113,8 @@ def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model's tokenizer alone (3.5 MB): `RBEE_TEST_TOKENIZER_DIR` where the GGUF is not at hand (GPU box)."""
     if explicit := os.environ.get("RBEE_TEST_TOKENIZER_DIR"):
         return Path(explicit)
-    from rbee_worker.models.gguf_format import read_gguf
-    from rbee_worker.models.gguf_tokenizer import build_tokenizer
+    from rbee_worker.loading.gguf.gguf_format import read_gguf
+    from rbee_worker.loading.gguf.gguf_tokenizer import build_tokenizer
 
     directory = tmp_path_factory.mktemp("demo-tokenizer")
     build_tokenizer(read_gguf(demo_model_path()).metadata).save_pretrained(directory)
@@ -221,8 +221,8 @@ def engine_config(**fields: object) -> EngineConfig:
 
 def greedy(engine, prompt_ids: Sequence[int], max_tokens: int):
     """Greedy token ids generated through `engine` for `prompt_ids`, and the request's End event."""
-    from rbee_worker.engine.sampling import SamplingParams
-    from rbee_worker.engine.types import End, Request, Token
+    from rbee_worker.engine.request_types import End, Request, Token
+    from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
     request = Request(tuple(prompt_ids), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
     events = list(engine.stream(request))
@@ -235,7 +235,7 @@ def submit_together(engine, requests: Sequence, timeout: float = 120) -> list[li
     every request must end with End."""
     import queue
 
-    from rbee_worker.engine.types import End, Error, Token
+    from rbee_worker.engine.request_types import End, Error, Token
 
     streams = [queue.SimpleQueue() for _ in requests]
     for request, events in zip(requests, streams, strict=True):
@@ -257,8 +257,8 @@ def run_mixed_traffic(engine, prompts: Sequence[str], stop: str | None) -> list[
     import dataclasses
     import queue
 
-    from rbee_worker.engine.sampling import SamplingParams
-    from rbee_worker.engine.types import End, Error, Request, Token
+    from rbee_worker.engine.request_types import End, Error, Request, Token
+    from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
     def requests(texts: Sequence[str], max_tokens: list[int]) -> list[Request]:
         return [Request(engine.tokenize(p), max_tokens=m, sampling=SamplingParams(temperature=0)) for p, m in
@@ -316,8 +316,8 @@ def penalty_state(vocab: int, generator: torch.Generator) -> tuple["SamplerState
     """A SamplerState of five slots, one per kind of penalty (repetition above and below 1, presence and frequency of
     both signs, none), each with 300 random prompt ids and about 1% of the vocabulary generated up to twice; and
     the slots of six rows that read it (one slot twice)."""
-    from rbee_worker.engine.sampler import SamplerState
-    from rbee_worker.engine.sampling import SamplingParams
+    from rbee_worker.engine.sampling.sampler import SamplerState
+    from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
     params = [
         SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f)
@@ -420,8 +420,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ModuleSch
 def pytest_configure(config: pytest.Config) -> None:
     """In each of pytest-xdist's test processes (`./dev test` runs two), the forwards take the cores' share of one
     process: torch's threads here, and through OMP_NUM_THREADS those of every worker and engine started here
-    (engine/config.py default_threads), so that two processes' llama.cpp threads never outnumber the cores (they spin
-    at each operation's barrier)."""
+    (engine/engine_config.py default_threads), so that two processes' llama.cpp threads never outnumber the cores (they
+    spin at each operation's barrier)."""
     if (processes := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) is None:
         return
     threads = max(1, (psutil.cpu_count(logical=False) or 1) // int(processes))

@@ -1,4 +1,5 @@
-"""`python tests/fault_worker.py FAULT:N ARGS...`: `rbee-worker ARGS...` with a fault injected (tests/test_faults.py).
+"""`python tests/fault_worker.py FAULT:N ARGS...`: `rbee-worker ARGS...` with a fault injected
+(tests/engine/test_faults.py).
 
 FAULT is one of:
 - `once`: the llama.cpp runner's Nth step raises once (a forward that fails, the device fine);
@@ -14,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from rbee_worker import cli
-from rbee_worker.engine.output import OutputProcessor
-from rbee_worker.engine.torch_runner import TorchRunner
+from rbee_worker.engine.output_processor import OutputProcessor
+from rbee_worker.engine.runners.torch.torch_runner import TorchRunner
 
 
 def inject(fault: str, n: int) -> None:
@@ -38,7 +39,10 @@ def inject(fault: str, n: int) -> None:
         return fail
 
     if fault in ("once", "poison"):
-        from rbee_worker.engine.llama_cpp_runner import DecodeFailed, LlamaCppRunner  # llama-cpp-python: not everywhere
+        from rbee_worker.engine.runners.llama_cpp.llama_cpp_runner import (  # llama-cpp-python: not everywhere
+            DecodeFailed,
+            LlamaCppRunner,
+        )
 
     if fault == "once":
         LlamaCppRunner.step = counted(LlamaCppRunner.step, raising(RuntimeError("injected failure")), False)

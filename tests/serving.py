@@ -31,8 +31,8 @@ LONG = 2048
 # The KV pool (GiB) of every worker and engine the tests start unless a test sizes its own (--kv-cache-gb,
 # kv_cache_bytes): never sized from the memory free at the time, which the other test process changes. On llama.cpp,
 # which holds its pool whole from the start, 1 GiB is a KV stream per sequence up to --max-batch 5 (5 x the demo's
-# 8192 x 23040 bytes) and one unified pool above (engine/llama_cpp_runner.py); the shared workers take the pool a
-# machine with the memory gets by default (conftest.py SHARED_KV_GB).
+# 8192 x 23040 bytes) and one unified pool above (engine/runners/llama_cpp/llama_cpp_runner.py); the shared workers take
+# the pool a machine with the memory gets by default (conftest.py SHARED_KV_GB).
 TEST_KV_GB = 1
 
 

@@ -84,3 +84,12 @@ def test_a_cycle_through_a_function_level_import_is_found() -> None:
     tree = ast.parse("import os\ndef f():\n    from pkg.b import g\nif TYPE_CHECKING:\n    import pkg.c\n")
     assert imported(tree, {"pkg.b", "pkg.c", "pkg.b.g"}) == {"pkg.b", "pkg.b.g"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_module_names_are_unique() -> None:
+    """A module's file name names one module in the package, and one test module in tests/ (pytest imports the test
+    modules, and they import one another, by that name alone)."""
+    for root, pattern in ((PACKAGE, "*.py"), (PACKAGE.parent.parent / "tests", "test_*.py")):
+        names = [path.name for path in root.rglob(pattern) if path.name != "__init__.py"]
+        assert len(names) > 60
+        assert sorted(name for name in set(names) if names.count(name) > 1) == []

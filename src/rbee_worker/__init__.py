@@ -1,6 +1,6 @@
 """rbee-worker: one LLM on one device, streamed to many clients, registered with the rbee pool manager."""
 
-from rbee_worker.cpu_features import force_isa_environment
+from rbee_worker.hardware.cpu_features import force_isa_environment
 
 __version__ = "0.1.0"
 

@@ -18,8 +18,8 @@ from fastapi.routing import APIRoute
 
 from rbee_worker.api.state import Job, WorkerState
 from rbee_worker.engine.engine import DuplicateRequest, EngineBusy
-from rbee_worker.engine.grammar import CompiledGrammar, GrammarSpec
-from rbee_worker.engine.types import Request as EngineRequest
+from rbee_worker.engine.request_types import Request as EngineRequest
+from rbee_worker.engine.structured.grammar import CompiledGrammar, GrammarSpec
 
 E = TypeVar("E", bound=Exception)
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.native import SSE_HEADERS, sse_data
-from rbee_worker.engine.types import (
+from rbee_worker.engine.request_types import (
     Embedding,
     End,
     Error,

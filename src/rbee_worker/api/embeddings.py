@@ -1,6 +1,6 @@
 """POST /v1/embeddings (CONTRACT.md §4), as OpenAI's: one embedding per input (a text or token ids), each an engine
 request that computes its prompt and pools its hidden states as the model's sentence-transformers config says
-(models/pooling.py), batched in the engine with every other request; floats or base64 (little-endian float32),
+(loading/pooling.py), batched in the engine with every other request; floats or base64 (little-endian float32),
 cut to `dimensions` where the model is a Matryoshka model, normalized where the model normalizes."""
 
 import base64
@@ -25,8 +25,8 @@ from rbee_worker.api.openai_requests import (
 )
 from rbee_worker.api.openai_schema import MAX_CHOICES
 from rbee_worker.api.state import WorkerState
-from rbee_worker.engine.types import Request as EngineRequest
-from rbee_worker.models.pooling import finished
+from rbee_worker.engine.request_types import Request as EngineRequest
+from rbee_worker.loading.pooling import finished
 
 
 class EmbeddingRequest(BaseModel):

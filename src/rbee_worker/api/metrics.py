@@ -46,8 +46,8 @@ from prometheus_client.registry import Collector
 
 from rbee_worker.api.native_schema import UNAUTHORIZED
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.grammar import GrammarStats
-from rbee_worker.engine.types import End, Error, Request, StopReason
+from rbee_worker.engine.request_types import End, Error, Request, StopReason
+from rbee_worker.engine.structured.grammar import GrammarStats
 
 # Buckets in seconds: from a small model's decode step to long generations on big models.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)

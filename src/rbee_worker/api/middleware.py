@@ -137,7 +137,8 @@ async def drain(receive: Receive) -> None:
 
 
 async def refuse_large(send: Send, limit: int, size: int | None) -> None:
-    """413 in the error shape both APIs share (server.py's http_error); `size`: the body's, when it was declared."""
+    """413 in the error shape both APIs share (server/worker.py's http_error); `size`: the body's, when it was
+    declared."""
     has = "more" if size is None else f"{size} bytes, more"
     message = f"the request body has {has} than the {limit} bytes this worker takes (--max-request-bytes)"
     error = {"message": message, "type": "invalid_request_error", "param": None, "code": "REQUEST_TOO_LARGE"}

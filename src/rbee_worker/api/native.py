@@ -1,8 +1,8 @@
 """The worker's native API (CONTRACT.md §2): /health, /v1/ready, /v1/loading/progress, POST /execute, the job API,
 /cancel and /shutdown.
 
-Routes are thin: validate (api/validation.py), compile a `json_schema` (awaited: the engine compiles it off the event
-loop), submit to the engine (api/admission.py), and turn its events into SSE lines; every refusal is answered by
+Routes are thin: validate (api/native_validation.py), compile a `json_schema` (awaited: the engine compiles it off the
+event loop), submit to the engine (api/admission.py), and turn its events into SSE lines; every refusal is answered by
 `native_error`. Nothing here runs model code: the engine's thread does, and this
 module only talks to it through `Engine.astream`, `Engine.cancel` and its counters.
 """
@@ -47,9 +47,7 @@ from rbee_worker.api.native_schema import (
     ShutdownAccepted,
     sse_response_doc,
 )
-from rbee_worker.api.requests import sampling_params
-from rbee_worker.api.state import Job, WorkerState
-from rbee_worker.api.validation import (
+from rbee_worker.api.native_validation import (
     FieldError,
     JobRequest,
     errors_body,
@@ -57,10 +55,12 @@ from rbee_worker.api.validation import (
     load_body,
     parse_job_request,
 )
-from rbee_worker.cpu_features import cpu_features
-from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Started, StopReason, Token
-from rbee_worker.engine.types import Request as EngineRequest
+from rbee_worker.api.request_settings import sampling_params
+from rbee_worker.api.state import Job, WorkerState
+from rbee_worker.engine.request_types import End, Error, ErrorCode, Event, Started, StopReason, Token
+from rbee_worker.engine.request_types import Request as EngineRequest
+from rbee_worker.engine.structured.grammar import CompiledGrammar, GrammarError, GrammarSpec
+from rbee_worker.hardware.cpu_features import cpu_features
 
 log = logging.getLogger(__name__)
 

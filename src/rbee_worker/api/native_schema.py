@@ -5,11 +5,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from rbee_worker.api.validation import job_request_schema
+from rbee_worker.api.native_validation import job_request_schema
 
 
 class CpuInfo(BaseModel):
-    """What the worker's CPU paths are chosen by (cpu_features.py)."""
+    """What the worker's CPU paths are chosen by (hardware/cpu_features.py)."""
 
     arch: str  # x86_64, aarch64, arm64, ...
     isa: str  # the vector level torch's kernels dispatch to: avx512, avx2, default, ...

@@ -3,12 +3,12 @@
 
 Bodies are validated by the pydantic models of openai_schema.py; every error has OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: routes raise ApiError or a refusal of api/admission.py, and
-`openai_error` answers both (the validation handler in server.py answers invalid bodies). A `response_format` grammar
-is compiled before the job is submitted (awaited, off the event loop: see Engine.grammars), so a schema that does not
-compile is a 400 naming `response_format` before any work. Chat templates are rendered and prompts tokenized off the
-event loop too (admission.off_loop), and a prompt text too long for the context whatever its tokens is refused before
-it is tokenized (`check_fits`). A response's choices (`n`, `best_of`, batched prompts) are collected or streamed by
-api/choices.py and written as OpenAI's JSON by api/openai_format.py.
+`openai_error` answers both (the validation handler in server/worker.py answers invalid bodies). A `response_format`
+grammar is compiled before the job is submitted (awaited, off the event loop: see Engine.grammars), so a schema that
+does not compile is a 400 naming `response_format` before any work. Chat templates are rendered and prompts tokenized
+off the event loop too (admission.off_loop), and a prompt text too long for the context whatever its tokens is refused
+before it is tokenized (`check_fits`). A response's choices (`n`, `best_of`, batched prompts) are collected or streamed
+by api/choices.py and written as OpenAI's JSON by api/openai_format.py.
 """
 
 import dataclasses
@@ -67,8 +67,8 @@ from rbee_worker.api.openai_schema import (
     TokenizeResponse,
 )
 from rbee_worker.api.state import WorkerState
-from rbee_worker.engine.types import End, StopReason
-from rbee_worker.engine.types import Request as EngineRequest
+from rbee_worker.engine.request_types import End, StopReason
+from rbee_worker.engine.request_types import Request as EngineRequest
 
 FINISH_REASONS = {StopReason.EOS: "stop", StopReason.STOP_SEQUENCE: "stop", StopReason.MAX_TOKENS: "length"}
 ERRORS = {

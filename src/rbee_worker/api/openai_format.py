@@ -5,9 +5,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from rbee_worker.api.state import WorkerState
-from rbee_worker.chat.output import ChatDelta
+from rbee_worker.chat.message_parts import ChatDelta
 from rbee_worker.chat.tools import ToolCall, coalesced
-from rbee_worker.engine.types import TokenLogprob
+from rbee_worker.engine.request_types import TokenLogprob
 
 # JSON has no -inf; a token the model rules out entirely gets this floor, as in vLLM.
 LOGPROB_FLOOR = -9999.0

@@ -14,14 +14,14 @@ from jinja2 import TemplateError
 from rbee_worker.api.admission import admit_all, compile_grammar
 from rbee_worker.api.api_error import ApiError
 from rbee_worker.api.openai_schema import SEED_LIMIT, ChatCompletionRequest, GenerationFields
-from rbee_worker.api.requests import sampling_params
+from rbee_worker.api.request_settings import sampling_params
 from rbee_worker.api.state import WorkerState
-from rbee_worker.chat.output import ChatOutput
+from rbee_worker.chat.message_parts import ChatOutput
 from rbee_worker.chat.reasoning import ReasoningSplitter, opens_reasoning_ids
 from rbee_worker.chat.tools import forced_grammar, tool_output
-from rbee_worker.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
-from rbee_worker.engine.types import Event
-from rbee_worker.engine.types import Request as EngineRequest
+from rbee_worker.engine.request_types import Event
+from rbee_worker.engine.request_types import Request as EngineRequest
+from rbee_worker.engine.structured.grammar import CompiledGrammar, GrammarError, GrammarSpec
 
 
 @dataclass
@@ -148,7 +148,7 @@ def check_capacity(state: WorkerState, count: int, param: str) -> None:
 
 def check_fits(state: WorkerState, text: str, room: int, param: str) -> None:
     """Refuse, before tokenizing it, a prompt text too long to leave `room` tokens of the context whatever its tokens
-    are (models/prompt_bound.py): a megabyte prompt is refused at once instead of after seconds of tokenizing."""
+    are (loading/prompt_bound.py): a megabyte prompt is refused at once instead of after seconds of tokenizing."""
     bound = state.engine.loaded.prompt_bound
     if bound is None or (least := bound.least_tokens(text)) + room <= state.engine.context_length:
         return

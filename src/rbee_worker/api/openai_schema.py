@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rbee_worker.engine.grammar import GrammarSpec
-from rbee_worker.engine.sampling import MAX_LOGIT_BIAS
+from rbee_worker.engine.sampling.sampling_params import MAX_LOGIT_BIAS
+from rbee_worker.engine.structured.grammar import GrammarSpec
 
 SEED_LIMIT = 2**64
 MAX_STOP = 4

@@ -22,9 +22,9 @@ from rbee_worker.api.openai_format import chat_logprob
 from rbee_worker.api.openai_requests import start_chat
 from rbee_worker.api.responses_schema import NamedFunction, ResponsesRequest
 from rbee_worker.api.state import WorkerState
-from rbee_worker.chat.output import ChatDelta, ChatOutput
-from rbee_worker.engine.types import End, Error, StopReason, Token, TokenLogprob
-from rbee_worker.engine.types import Event as EngineEvent
+from rbee_worker.chat.message_parts import ChatDelta, ChatOutput
+from rbee_worker.engine.request_types import End, Error, StopReason, Token, TokenLogprob
+from rbee_worker.engine.request_types import Event as EngineEvent
 
 Event = dict[str, Any]
 

@@ -5,11 +5,11 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from rbee_worker.config import WorkerConfig
 from rbee_worker.engine.engine import Engine
-from rbee_worker.engine.types import Event
-from rbee_worker.models.progress import LoadProgress
-from rbee_worker.models.prompt_bound import request_bytes_limit
+from rbee_worker.engine.request_types import Event
+from rbee_worker.loading.progress import LoadProgress
+from rbee_worker.loading.prompt_bound import request_bytes_limit
+from rbee_worker.server.worker_config import WorkerConfig
 
 # Threads that prepare requests (parse, render the chat template, tokenize) off the event loop. The tokenizer releases
 # the GIL while it encodes, so preparations run beside the streams and beside each other.
@@ -45,7 +45,7 @@ class WorkerState:
 
     def max_request_bytes(self) -> int | None:
         """The largest request body taken: --max-request-bytes, else, once the model is loaded, the largest body of a
-        request whose prompt fits the context (models/prompt_bound.py); None (no limit) while it loads."""
+        request whose prompt fits the context (loading/prompt_bound.py); None (no limit) while it loads."""
         if self.config.max_request_bytes is not None:
             return self.config.max_request_bytes
         if not self.engine.is_loaded:

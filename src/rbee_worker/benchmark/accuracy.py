@@ -1,6 +1,6 @@
 """The worker's model set against llama.cpp on the same GGUF file (bench/llama_cpp_accuracy.py and
-tests/test_llama_cpp.py): logits at every position from token ids (no tokenizer in between), greedy continuations,
-perplexity, and a copy of a GGUF file with every tensor dequantized to F32.
+tests/engine/test_llama_cpp.py): logits at every position from token ids (no tokenizer in between), greedy
+continuations, perplexity, and a copy of a GGUF file with every tensor dequantized to F32.
 
 llama-cpp-python is an optional extra (`bench`, `test`); it is imported only where used.
 """

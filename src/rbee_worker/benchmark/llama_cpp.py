@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rbee_worker.models.llama_cpp_model import has_amx
+from rbee_worker.loading.gguf.llama_cpp_model import has_amx
 
 if TYPE_CHECKING:
     from llama_cpp import Llama

@@ -54,8 +54,8 @@ def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict
     import torch
     from transformers.generation.streamers import BaseStreamer
 
-    from rbee_worker.devices import resolve_placement
-    from rbee_worker.models.loader import load_model
+    from rbee_worker.hardware.devices import resolve_placement
+    from rbee_worker.loading.loader import load_model
 
     model = load_model(args.model, resolve_placement(args.device, args.dtype)).model
     device = model.device
@@ -116,8 +116,8 @@ def run_transformers(args: argparse.Namespace, spec: dict, static: bool) -> dict
 def run_transformers_cb(args: argparse.Namespace, spec: dict) -> dict:
     from transformers import GenerationConfig
 
-    from rbee_worker.devices import resolve_placement
-    from rbee_worker.models.loader import load_model
+    from rbee_worker.hardware.devices import resolve_placement
+    from rbee_worker.loading.loader import load_model
 
     model = load_model(args.model, resolve_placement(args.device, args.dtype)).model
     # An end-of-sequence id that never comes: every sequence generates gen_tokens, as rbee-worker's ignore_eos.

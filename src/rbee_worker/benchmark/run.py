@@ -167,7 +167,7 @@ def start_worker(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
     log (JSON lines) goes to log_path. This process's heap is frozen once the worker is up, as the worker freezes its
     own (engine.freeze_heap): what the measuring client has imported is never walked by the garbage collector again,
     whose full collections would otherwise land in the timings."""
-    from rbee_worker.listener import bind
+    from rbee_worker.server.listener import bind
 
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -224,7 +224,7 @@ def run_peer(peer: str, args: argparse.Namespace, spec: dict) -> dict:
 
 
 def build_spec(args: argparse.Namespace) -> dict:
-    from rbee_worker.models.loader import resolve_model_path
+    from rbee_worker.loading.loader import resolve_model_path
 
     args.model_path = str(resolve_model_path(args.model))
     tokenizer = tokenizer_of(Path(args.model_path))
@@ -243,9 +243,9 @@ def build_spec(args: argparse.Namespace) -> dict:
 
 
 def tokenizer_of(model: Path) -> Any:  # a transformers tokenizer
-    from rbee_worker.models.gguf_format import read_gguf
-    from rbee_worker.models.gguf_tokenizer import build_tokenizer
-    from rbee_worker.models.hf import load_tokenizer
+    from rbee_worker.loading.gguf.gguf_format import read_gguf
+    from rbee_worker.loading.gguf.gguf_tokenizer import build_tokenizer
+    from rbee_worker.loading.hf import load_tokenizer
 
     return load_tokenizer(model) if model.is_dir() else build_tokenizer(read_gguf(model).metadata)
 

@@ -7,8 +7,8 @@ answer), as vLLM's deepseek_r1 and qwen3 reasoning parsers split it.
   does, Qwen3's does with `enable_thinking`), so that its output starts as reasoning.
 - `ReasoningSplitter` splits a request's output text, as it streams, into reasoning and content.
 
-The engine reads the format's token ids to apply a request's grammar only after its reasoning (engine/grammar.py);
-this module works on text alone.
+The engine reads the format's token ids to apply a request's grammar only after its reasoning
+(engine/structured/grammar.py); this module works on text alone.
 """
 
 from collections.abc import Sequence

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from rbee_worker.chat.call_stream import CallReader
 from rbee_worker.chat.pieces import held_suffix
-from rbee_worker.engine.grammar import GrammarSpec
+from rbee_worker.engine.structured.grammar import GrammarSpec
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 

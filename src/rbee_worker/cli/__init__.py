@@ -1,6 +1,6 @@
 """Command line: `rbee-worker generate`, `serve` and `bench` (flag parsing and output only; the work is elsewhere).
 main runs a command and turns its failures into one line and an exit code; exits.py holds those codes, flags.py
-the parser, serve.py `serve` and its checks, commands.py `generate` and `bench`, choices.py the runtime,
+the parser, serve.py `serve` and its checks, commands.py `generate` and `bench`, model_flags.py the runtime,
 quantization and compilation that the flags pick."""
 
 import logging

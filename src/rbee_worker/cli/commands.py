@@ -2,8 +2,8 @@
 
 import argparse
 
-from rbee_worker.cli.choices import check_runtime_flags
 from rbee_worker.cli.exits import EXIT_USAGE, fail
+from rbee_worker.cli.model_flags import check_runtime_flags
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -17,6 +17,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if len(args.stop) > 4 or any(not s or len(s.encode()) > 100 for s in args.stop):
         fail("--stop takes at most 4 strings, each 1..100 UTF-8 bytes", EXIT_USAGE)
     check_runtime_flags(args)
-    from rbee_worker.generate import generate
+    from rbee_worker.cli.generate import generate
 
     return generate(args)

@@ -10,7 +10,7 @@ from rbee_worker.benchmark.peers import CONCURRENCY, PEERS, SAMPLING, WORKER_PEE
 from rbee_worker.cli.commands import run_bench, run_generate
 from rbee_worker.cli.exits import EXIT_USAGE, fail
 from rbee_worker.cli.serve import run_serve
-from rbee_worker.engine.config import REASONING_PARSERS
+from rbee_worker.engine.engine_config import REASONING_PARSERS
 from rbee_worker.logs import LOG_FORMATS
 
 

@@ -9,14 +9,14 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rbee_worker.cli.choices import check_runtime_flags, compile_model, resolve_model
 from rbee_worker.cli.exits import EXIT_USAGE, exit_at_once, fail
+from rbee_worker.cli.model_flags import check_runtime_flags, compile_model, resolve_model
 
 if TYPE_CHECKING:  # devices imports torch, which the CLI imports only once it needs it
-    from rbee_worker.config import WorkerConfig
-    from rbee_worker.devices import Placement
-    from rbee_worker.engine.config import EngineConfig
-    from rbee_worker.models.spec import ModelSpec
+    from rbee_worker.engine.engine_config import EngineConfig
+    from rbee_worker.hardware.devices import Placement
+    from rbee_worker.loading.spec import ModelSpec
+    from rbee_worker.server.worker_config import WorkerConfig
 
 log = logging.getLogger("rbee_worker")
 
@@ -24,7 +24,7 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's, for --nnodes above 1 without --master
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from rbee_worker.listener import bind, is_loopback
+    from rbee_worker.server.listener import bind, is_loopback
 
     check_runtime_flags(args)
     check_nodes(args)
@@ -43,7 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # through SystemExit: raised in the middle of an import, transformers' lazy modules turn it into an import error.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: exit_at_once(0))
-    from rbee_worker.server import serve
+    from rbee_worker.server.worker import serve
 
     serve(resolve(args, token, chat_template), sock)
     # Nothing is left to clean up, and the interpreter's finalization (torch's and llama.cpp's modules) takes a while,
@@ -53,11 +53,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def resolve(args: argparse.Namespace, token: str | None = None, chat_template: str | None = None) -> "WorkerConfig":
     """The worker's settings from `serve`'s flags, each resolved and checked once, before anything loads (one-line
-    usage errors, exit 2): this node's placement and --devices, the model probed once (cli/choices.py resolve_model:
+    usage errors, exit 2): this node's placement and --devices, the model probed once (cli/model_flags.py resolve_model:
     its path, format, runtime and quantization), under --tensor-parallel what it cannot split or run, and the engine's
     settings. On a node of a higher --node-rank, what its ranks read."""
-    from rbee_worker.config import WorkerConfig
-    from rbee_worker.engine.tp_messages import Topology
+    from rbee_worker.engine.parallel.tp_messages import Topology
+    from rbee_worker.server.worker_config import WorkerConfig
 
     placement, devices = serve_placement(args)
     master_port = args.master_port or (DEFAULT_MASTER_PORT if args.nnodes > 1 else None)
@@ -104,14 +104,14 @@ def check_nodes(args: argparse.Namespace) -> None:
 def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ...] | None]":
     """This node's first rank's placement and --devices, checked (one-line usage errors, exit 2): --devices names
     CUDA devices the machine has, one per rank on this node; with it, the first rank runs on the first of them."""
-    from rbee_worker.devices import Placement, resolve_placement
+    from rbee_worker.hardware.devices import Placement, resolve_placement
 
     placement = resolve_placement(args.device, args.dtype, args.backend, args.cuda_device)
     if args.devices is None:
         return placement, None
     import torch
 
-    from rbee_worker.engine.tp_messages import check_devices, parse_devices
+    from rbee_worker.engine.parallel.tp_messages import check_devices, parse_devices
 
     try:
         devices = parse_devices(args.devices)
@@ -125,7 +125,7 @@ def serve_placement(args: argparse.Namespace) -> "tuple[Placement, tuple[int, ..
 def run_node(args: argparse.Namespace) -> int:
     """`serve --node-rank R` (R > 0): this node's ranks of a worker whose node 0 serves HTTP; no port is bound. It
     returns (exit 0) once node 0 has stopped them, and exits 1 when one of them fails; SIGTERM / SIGINT end them."""
-    from rbee_worker.engine.tp_ranks import start_ranks
+    from rbee_worker.engine.parallel.ranks import start_ranks
 
     ranks = start_ranks(resolve(args))
 
@@ -147,9 +147,9 @@ def check_tensor_parallel(args: argparse.Namespace, model: "ModelSpec") -> None:
     a device other than the CPU or CUDA GPUs, --compile, and a model that does not split N ways (its attention heads
     or intermediate size do not divide by N, or its key/value heads neither divide by N nor into it: read from its
     config, without its weights). An int4 layer that a split would cut inside a group is refused by the ranks'
-    load (models/tp_cuts.py), once its types are known."""
-    from rbee_worker.models.loader import read_model_config
-    from rbee_worker.models.tensor_parallel import check_divisible
+    load (loading/sharding/tp_cuts.py), once its types are known."""
+    from rbee_worker.loading.loader import read_model_config
+    from rbee_worker.loading.sharding.tp_layers import check_divisible
 
     world, device, per_node = args.tensor_parallel, model.placement.device, args.tensor_parallel // args.nnodes
     if device.type not in ("cpu", "cuda"):
@@ -171,9 +171,9 @@ def check_tensor_parallel(args: argparse.Namespace, model: "ModelSpec") -> None:
 
 def engine_config(args: argparse.Namespace, placement: "Placement") -> "EngineConfig":
     """The engine's settings from `serve`'s flags; under --tensor-parallel N on a CPU, each process's threads are the
-    default threads (engine/config.py default_threads) / the ranks on this node (N / --nnodes) unless --threads is
-    given."""
-    from rbee_worker.engine.config import EngineConfig, default_threads
+    default threads (engine/engine_config.py default_threads) / the ranks on this node (N / --nnodes) unless --threads
+    is given."""
+    from rbee_worker.engine.engine_config import EngineConfig, default_threads
 
     threads = args.threads
     world = getattr(args, "tensor_parallel", 1) // getattr(args, "nnodes", 1)  # the processes on this node

@@ -1,33 +1,35 @@
 """The step loop over one runner, as nano-vllm's and vLLM v1's: the scheduler plans a round
-(engine/scheduler.py), the executor carries it out on the runner (engine/executor.py), the scheduler takes back what
-it computed, and the output processor turns that into events (engine/output.py). Each stage returns a value to the
-next; none calls another. The requests a step ends come back to the caller (engine/engine.py), which delivers their
-terminal events.
+(engine/scheduling/scheduler.py), the executor carries it out on the runner (engine/executor.py), the scheduler takes
+back what it computed, and the output processor turns that into events (engine/output_processor.py). Each stage returns
+a value to the next; none calls another. The requests a step ends come back to the caller (engine/engine.py), which
+delivers their terminal events.
 """
 
 import functools
 
-from rbee_worker.engine.config import EngineConfig
+from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.executor import Executor
-from rbee_worker.engine.output import Ended, EngineObserver, OutputProcessor
+from rbee_worker.engine.output_processor import Ended, EngineObserver, OutputProcessor
 from rbee_worker.engine.plan import Sequence
-from rbee_worker.engine.runner import Runner
-from rbee_worker.engine.scheduler import Proposer, Scheduler
-from rbee_worker.engine.types import ErrorCode, StopReason
-from rbee_worker.models.loaded import LoadedModel
+from rbee_worker.engine.request_types import ErrorCode, StopReason
+from rbee_worker.engine.runners.protocol import Runner
+from rbee_worker.engine.scheduling.scheduler import Proposer, Scheduler
+from rbee_worker.loading.loaded import LoadedModel
 
 
 def make_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
-    """The runner of the loaded model's runtime (models/loader.py chose it)."""
+    """The runner of the loaded model's runtime (loading/loader.py chose it)."""
     if loaded.info.encoder:
-        from rbee_worker.engine.encoder_runner import EncoderRunner
+        from rbee_worker.engine.runners.torch.encoder_runner import EncoderRunner
 
         return EncoderRunner(loaded, config)
     if loaded.info.runtime == "llama.cpp":
-        from rbee_worker.engine.llama_cpp_runner import LlamaCppRunner  # imports llama-cpp-python, optional
+        from rbee_worker.engine.runners.llama_cpp.llama_cpp_runner import (
+            LlamaCppRunner,  # imports llama-cpp-python, optional
+        )
 
         return LlamaCppRunner(loaded, config)
-    from rbee_worker.engine.torch_runner import TorchRunner
+    from rbee_worker.engine.runners.torch.torch_runner import TorchRunner
 
     return TorchRunner(loaded, config)
 

@@ -23,20 +23,20 @@ from typing import Any
 import torch
 
 from rbee_worker.chat.reasoning import ReasoningFormat, detect_reasoning
-from rbee_worker.engine.config import EngineConfig
 from rbee_worker.engine.core import EngineCore, make_runner
 from rbee_worker.engine.detokenizer import Detokenizer, token_texts
-from rbee_worker.engine.grammar import Grammars
+from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.mailbox import EventStream, LoopMailbox
-from rbee_worker.engine.output import Ended, EngineObserver, log_finished, send
+from rbee_worker.engine.output_processor import Ended, EngineObserver, log_finished, send
 from rbee_worker.engine.plan import Output, Sequence, Sink
-from rbee_worker.engine.runner import DeviceFault, Runner
-from rbee_worker.engine.sampler import check_seed
-from rbee_worker.engine.sampling import random_seed
-from rbee_worker.engine.scheduler import Proposer
-from rbee_worker.engine.types import End, Error, ErrorCode, Event, Request
-from rbee_worker.engine.validation import RequestError, check_request
-from rbee_worker.models.loaded import LoadedModel
+from rbee_worker.engine.request_checks import RequestError, check_request
+from rbee_worker.engine.request_types import End, Error, ErrorCode, Event, Request
+from rbee_worker.engine.runners.protocol import DeviceFault, Runner
+from rbee_worker.engine.sampling.sampler import check_seed
+from rbee_worker.engine.sampling.sampling_params import random_seed
+from rbee_worker.engine.scheduling.scheduler import Proposer
+from rbee_worker.engine.structured.grammar import Grammars
+from rbee_worker.loading.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Engine:
         return self._runner.kv.context
 
     def validate(self, request: Request) -> None:
-        """Raise RequestError for a request that cannot run on this model (engine/validation.py)."""
+        """Raise RequestError for a request that cannot run on this model (engine/request_checks.py)."""
         check_request(request, self.loaded, self.context_length, self.vocab_size)
 
     @property
@@ -187,7 +187,8 @@ class Engine:
 
     @property
     def grammars(self) -> Grammars:
-        """Compiles Requests' grammars for this model off the engine thread, once per spec (engine/grammar.py)."""
+        """Compiles Requests' grammars for this model off the engine thread, once per spec
+        (engine/structured/grammar.py)."""
         loaded, runner = self.loaded, self._runner  # waits for the load
         assert runner is not None
         with self._grammars_lock:

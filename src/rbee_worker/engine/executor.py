@@ -1,5 +1,5 @@
-"""The executor: the scheduler's plan carried out on the runner (engine/runner.py's protocol). It makes every call into
-the runner and gives back what the forwards computed and sampled (engine/plan.py's `Executed`), in order.
+"""The executor: the scheduler's plan carried out on the runner (engine/runners/protocol.py's protocol). It makes every
+call into the runner and gives back what the forwards computed and sampled (engine/plan.py's `Executed`), in order.
 
 A forward with prompt chunks is computed at once (`Runner.step`). A decode-only forward is launched
 (`Runner.launch`): a runner with asynchronous steps (CUDA graphs) computes it while the host takes the step before,
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rbee_worker.engine.grammar import GrammarRejected, accept_tokens
 from rbee_worker.engine.plan import Chunk, Computed, Decode, Drawn, Executed, Failed, Forward, Lost, Plan, Sequence
-from rbee_worker.engine.runner import DecodeRow, DeviceFault, Launched, PromptRow, Runner, Sampled
-from rbee_worker.engine.types import ErrorCode
+from rbee_worker.engine.request_types import ErrorCode
+from rbee_worker.engine.runners.protocol import DecodeRow, DeviceFault, Launched, PromptRow, Runner, Sampled
+from rbee_worker.engine.structured.grammar import GrammarRejected, accept_tokens
 
 log = logging.getLogger(__name__)
 

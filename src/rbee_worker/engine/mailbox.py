@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rbee_worker.engine.types import End, Error, Event
+from rbee_worker.engine.request_types import End, Error, Event
 
 
 class LoopMailbox:
