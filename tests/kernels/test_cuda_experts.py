@@ -26,7 +26,7 @@ from rbee_worker.loading.loader import load_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 PROMPTS = ["def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
-# DeepSeek-V3's latent attention is refused on CUDA (engine/runners/torch/torch_runner.py): its experts run in the CPU
+# DeepSeek-V3's latent attention is refused on CUDA (engine/runners/torch/device_paths.py): its experts run in the CPU
 # tests alone; so do Llama 4's, which take every token outside transformers' experts interface (no fused kernels serve
 # them).
 ON_CUDA = [family for family in FAMILIES if family not in ("deepseek_v3", "llama4_text")]

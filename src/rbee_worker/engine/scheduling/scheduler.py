@@ -37,7 +37,7 @@ nothing); a chunk never leaves fewer than R tokens for its prompt's last chunk (
 too); and a chunk that the round's budget would cut below R waits for the next round. Every prompt position of a
 prompt of R tokens or more is then computed in forwards of R rows or more, whatever was cached, and for a request
 computed alone (nothing else in its forwards) a cached prefix changes no logit (the runners keep the rest of the
-forward's shape from mattering: torch_runner.py's CPU_KEY_BLOCK, llama_cpp_runner.py's exact prefixes). What it does
+forward's shape from mattering: device_paths.py's CPU_KEY_BLOCK, llama_cpp_runner.py's exact prefixes). What it does
 not cover: positions computed by decode steps (a conversation's earlier answers, cached and fed again as a prompt),
 chunks cut short by a lack of free blocks, a prefix that only requests computed beside others hold (llama.cpp's
 unified KV pool, where other sequences' cells change the attention sums), and torch's first chunk of a prompt (from

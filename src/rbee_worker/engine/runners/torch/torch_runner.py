@@ -12,7 +12,6 @@ launched without waiting for it (`launch`), and the next one may chain onto it (
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -43,32 +42,16 @@ from rbee_worker.engine.runners.rows import (
 from rbee_worker.engine.runners.torch.attention import config_window, use_engine_attention
 from rbee_worker.engine.runners.torch.compiled import compile_model, uncompile_model
 from rbee_worker.engine.runners.torch.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
-from rbee_worker.engine.runners.torch.kv_cache import (
-    PagedCache,
-    caches_latent,
-    decode_mask,
-    kv_bytes_per_token,
-    prefill_mask,
-    sliding_layers,
-)
-from rbee_worker.engine.sampling.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, sample
+from rbee_worker.engine.runners.torch.device_paths import device_path
+from rbee_worker.engine.runners.torch.kv_cache import PagedCache, kv_bytes_per_token, prefill_mask, sliding_layers
+from rbee_worker.engine.sampling.sampler import SamplerFeatures
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
 from rbee_worker.engine.scheduling.kv_blocks import SCRATCH_BLOCK
 from rbee_worker.engine.structured.grammar import Matcher
-from rbee_worker.errors import ModelLoadError
-from rbee_worker.hardware.devices import tensor_bytes
-from rbee_worker.layers.cpu_linear import can_pack, pack_linears, packed_bytes
-from rbee_worker.layers.int4_linear import Int4Linear
-from rbee_worker.layers.int8_linear import Int8Linear
 from rbee_worker.layers.merged_linear import merge_projections
-from rbee_worker.loading.gguf.dequant import CPU_DEQUANTIZE_ROWS, cpu_product_dequantizes
 from rbee_worker.loading.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
-
-# On a GPU, a prompt forward of this many rows of this many tokens runs before ready, so that the first batch of
-# prompts does not load the eager prompt path's kernels.
-WARM_PROMPT_ROWS, WARM_PROMPT_TOKENS = 16, 32
 
 
 class _GraphStep:
@@ -80,21 +63,13 @@ class _GraphStep:
         self.step, self.rows = step, rows
 
 
-# PyTorch's CPU attention kernel reads the keys in blocks of 512 from position 0 and sums each block apart: a query's
-# result depends on where the forward's last block of keys ends. Prompt chunks after the first read the cache up to a
-# multiple of it (the rest masked), so that a position's keys and values do not depend on the length of the forward
-# that computed it: the same with a cached prefix as without (scheduler.py, Capabilities.uniform_rows).
-CPU_KEY_BLOCK = 512
-
-
 class TorchRunner:
-    """Prepares a loaded model for serving (merged projections, oneDNN packing on a CPU, the engine's attention, the
-    KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine thread."""
+    """Prepares a loaded model for serving (merged projections, the engine's attention, the device's own preparation
+    of device_paths.py, the KV cache, compiled layers and CUDA graphs) and runs its forwards. Lives on the engine
+    thread."""
 
     prefixes = None  # the block pool is the prefix cache
-
-    # Prompt chunks and decode rows run as separate forwards: the rows of one forward are padded to one width.
-    capabilities = Capabilities(mixed_batches=False)
+    capabilities: Capabilities
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv: KvGeometry | None = None) -> None:
         """`kv`: the KV block pool's geometry where it is decided elsewhere (tensor parallelism: rank 0's, so that every
@@ -102,27 +77,17 @@ class TorchRunner:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        self.path = device_path(loaded.info.device, loaded.info.dtype)
         merge_projections(loaded.model)
-        if not config.compile_model:  # inductor packs the weights of what it compiles itself
-            loaded = _pack_for_cpu(loaded)
+        loaded = self.path.prepare(loaded, config)
         use_engine_attention(loaded.model, loaded.info.context_length)
-        if loaded.info.device.type == "cuda":
-            from rbee_worker.kernels.cuda_experts import use_fused_experts  # Triton: not on CPU-only machines
-
-            use_fused_experts(loaded.model)
-        if loaded.info.device.type == "cuda" and caches_latent(loaded.model.config):
-            # Its layers expand the latent they read from the cache: in a paged decode step that is the whole pool.
-            raise ModelLoadError("latent attention (kv_lora_rank) on CUDA is not served yet; on a CPU it is")
         # Sliding layers read the forwards' query positions (engine/runners/torch/attention.py); other models get none.
         self._sliding = config_window(loaded.model.config) is not None
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.info.device
         self.dtype = loaded.info.dtype
-        # A CPU's int4 / int8 layers multiply another way from CPU_DEQUANTIZE_ROWS rows, which rounds differently.
-        quantized = any(isinstance(module, Int4Linear | Int8Linear) for module in self.model.modules())
-        if quantized and self.device.type == "cpu" and cpu_product_dequantizes(CPU_DEQUANTIZE_ROWS, self.dtype):
-            self.capabilities = Capabilities(mixed_batches=False, uniform_rows=CPU_DEQUANTIZE_ROWS)
+        self.capabilities = self.path.capabilities(self.model)
         self.cache_kwarg = cache_kwarg(loaded.model)
         self.kv = kv or size_pool(loaded, config)
         self.cache = PagedCache(loaded.model.config, self.kv, config.max_batch, self.dtype, self.device)
@@ -208,16 +173,10 @@ class TorchRunner:
         return 0
 
     def kv_bytes(self) -> int:
-        """All of the pool on a GPU (allocated at start); on a CPU the part touched so far."""
-        if self.device.type == "cuda":
-            return self.kv.bytes
-        return self.cache.resident_bytes
+        return self.path.kv_bytes(self.kv, self.cache)
 
     def memory_bytes(self) -> int:
-        """On a GPU what torch has allocated on the device; elsewhere the weights and the touched KV cache."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.memory_allocated(self.device))
-        return self.loaded.info.weight_bytes + self.kv_bytes()
+        return self.path.memory_bytes(self.loaded.info.weight_bytes, self.kv_bytes())
 
     # -- forwards --------------------------------------------------------------------------------------------------
 
@@ -281,9 +240,7 @@ class TorchRunner:
             pad = width - len(r.token_ids)
             tokens.append([0] * pad + list(r.token_ids))
             positions.append([-1] * pad + list(range(r.start, r.start + len(r.token_ids))))
-        kv_len = max(r.start + len(r.token_ids) for r in rows)
-        if self.device.type == "cpu" and not first_chunk:  # see CPU_KEY_BLOCK; a first chunk reads its own keys only
-            kv_len = min(-(-kv_len // CPU_KEY_BLOCK) * CPU_KEY_BLOCK, self.cache.max_blocks * self.cache.block_size)
+        kv_len = self.path.key_span(max(r.start + len(r.token_ids) for r in rows), first_chunk, self.cache)
         position_ids = torch.tensor(positions, device=self.device)
         batch_rows = torch.tensor([r.row for r in rows], device=self.device)
         self.cache.prepare(batch_rows, position_ids, kv_len, "new" if first_chunk else "gather")
@@ -293,16 +250,11 @@ class TorchRunner:
 
     @property
     def _eager_prompts(self) -> bool:
-        """Whether prompt forwards skip the compiled forward: on a CPU. There only decode steps are compiled. A prompt
-        forward holds enough tokens that the Python around its kernels costs little; a long one runs faster eagerly,
-        where its int4 / int8 products dequantize their matrices for oneDNN (dequant.cpu_product_dequantizes), which
-        compiled they cannot; and every class of prompt shapes would take another whole-model compilation at start-up,
-        each a long one on a CPU (bench/results/README.md)."""
-        return self._compile and self.device.type == "cpu"
+        """Whether prompt forwards skip the compiled forward (see DevicePath.eager_prompts)."""
+        return self.path.eager_prompts(self._compile)
 
     def _decode_step(self, rows: Sequence[DecodeRow]) -> torch.Tensor:
-        """The eager forward of one decode step over these rows: on CUDA attention reads the paged cache in place,
-        elsewhere each row's keys and values gathered."""
+        """The eager forward of one decode step over these rows, its attention as the device path reads the cache."""
         size = self.cache.block_size
         batch_rows = torch.tensor([r.row for r in rows], device=self.device)
         index = [r.position // size for r in rows]
@@ -315,14 +267,9 @@ class TorchRunner:
         position_ids = torch.tensor([r.position for r in rows], device=self.device)[:, None]
         lengths = torch.tensor([r.position + 1 for r in rows], device=self.device)
         tokens = torch.tensor([r.tokens[0] for r in rows], device=self.device)[:, None]
-        if self.device.type == "cuda":
-            self.cache.prepare(batch_rows, position_ids, 0, "paged")
-            mask = torch.zeros(len(rows), 1, 1, 1, dtype=self.dtype, device=self.device)
-            paged = {**self.cache.paged_tables(batch_rows), "kv_lengths": lengths.int()}
-            return self._forward(tokens, position_ids, mask, **paged)[:, -1]
         kv_len = max(r.position + 1 for r in rows)
-        self.cache.prepare(batch_rows, position_ids, kv_len, "gather")
-        return self._forward(tokens, position_ids, decode_mask(lengths, kv_len, self.dtype))[:, -1]
+        mask, paged = self.path.decode_attention(self.cache, batch_rows, position_ids, lengths, kv_len)
+        return self._forward(tokens, position_ids, mask, **paged)[:, -1]
 
     def _forward(
         self,
@@ -355,8 +302,8 @@ class TorchRunner:
         """Before the worker reports ready: with --compile, the forward through torch.compile (see compiled.py), run
         once for each class of shapes so that no request waits for a compilation; on a GPU, every decode graph and
         first-chunk graph captured (of the compiled or the plain layers), and the kernels of the eager paths made."""
-        graphs = self.config.cuda_graphs and not self.config.deterministic and self.device.type == "cuda"
-        if not (self._compile or self.device.type == "cuda"):
+        graphs = self.path.captures_graphs(self.config)
+        if not (self._compile or self.path.warms):
             return
         started = time.perf_counter()
         with torch.inference_mode():
@@ -384,8 +331,7 @@ class TorchRunner:
         first-chunk prefill graph. Compiled layers also run the forwards that stay eager once (on a GPU prompt chunks
         of one and two rows, of different lengths; without graphs decode steps of one and two rows), so that they are
         compiled for any shape before the first request (tests/engine/test_compile.py fails any compilation after
-        ready). On a GPU the eager paths run once too: a prompt forward of many rows and the sampler's every set of
-        stages."""
+        ready). Then what the device path warms (on a GPU the eager paths' kernels)."""
         if graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.cache, self.cache_kwarg, self.dtype, self.state, self.config.max_batch
@@ -417,27 +363,7 @@ class TorchRunner:
         if self._compile and not graphs:
             for count in range(1, rows + 1):
                 self._decode_step([DecodeRow(row, scratch, (0,), 32) for row in range(count)])
-        if self.device.type == "cuda":
-            count = min(self.config.max_batch, WARM_PROMPT_ROWS)
-            warm = [PromptRow(row, scratch, [0] * WARM_PROMPT_TOKENS, 0, False) for row in range(count)]
-            self._prompt_forward(warm)
-            self._warm_sampler()
-            torch.cuda.synchronize(self.device)
-
-    def _warm_sampler(self) -> None:
-        """The sampler's eager path (a prompt's first token; every token without graphs) launches Triton kernels
-        that are compiled at their first launch, one for each set of stages and logits dtype: each set runs once
-        here, on a row that changes no row's state."""
-        logits = torch.randn(1, self.vocab_size, device=self.device).to(self.dtype)
-        rows = torch.zeros(1, dtype=torch.long, device=self.device)
-        live = torch.zeros(1, dtype=torch.bool, device=self.device)
-        stages = {
-            SamplerFeatures(sampling, penalties, filters, top_k, top_logprobs=logprobs)
-            for sampling, penalties, filters, top_k in itertools.product((False, True), repeat=4)
-            for logprobs in (-1, MAX_TOP_LOGPROBS)
-        }
-        for features in stages:
-            sample(logits, self.state, rows, live, features)
+        self.path.warm(self._prompt_forward, self.config.max_batch, scratch, self.state)
 
 
 def size_pool(loaded: LoadedModel, config: EngineConfig) -> KvGeometry:
@@ -454,16 +380,6 @@ def size_pool(loaded: LoadedModel, config: EngineConfig) -> KvGeometry:
         sliding_bytes = kv_bytes_per_token(model_config, info.dtype, len(sliding))
         windows = WindowLayers(window, sliding_bytes, config.prefill_chunk)
     return kv_pool(info.context_length, per_token, config.block_size, budget, config.max_batch, window=windows)
-
-
-def _pack_for_cpu(loaded: LoadedModel) -> LoadedModel:
-    """On a CPU, the linear layers' weights reordered once for oneDNN (see cpu_linear.py); the weight bytes measured
-    again, since the plain weights are gone (a tied LM head's packed copy comes on top)."""
-    if not can_pack(loaded.model):
-        return loaded
-    pack_linears(loaded.model)
-    weight_bytes = tensor_bytes(loaded.model) + packed_bytes(loaded.model)
-    return dataclasses.replace(loaded, info=dataclasses.replace(loaded.info, weight_bytes=weight_bytes))
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
