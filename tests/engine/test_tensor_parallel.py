@@ -55,18 +55,20 @@ NEW_TOKENS = 48
 CPU = torch.device("cpu")
 IDS = [[3, 17, 101, 5, 250, 42, 7, 9, 64, 128, 1, 2, 49000, 16400]]  # ids in every vocabulary shard of 2, 3 and 4
 # Run by each rank of the sharding tests: rank, world, port, MODEL, --quantize, where rank 0 writes its logits. The
-# rank loads and cuts its shard as a worker's rank does (tp_ranks.load_shard), then runs the whole model.
+# rank loads and cuts its shard as a worker's rank does (ranks.load_shard), then runs the whole model.
 RANK_SCRIPT = f"""
 import sys, torch, torch.distributed as dist
 from rbee_worker.hardware.devices import Placement
 from rbee_worker.engine.runners.torch.kv_cache import kv_shape
 from rbee_worker.engine.parallel.ranks import load_shard
 from rbee_worker.loading.loader import load_model
+from rbee_worker.loading.spec import Shard
 rank, world, port, spec, quantize, out = sys.argv[1:]
 rank, world = int(rank), int(world)
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
-load = lambda: load_model(spec, Placement(torch.device("cpu"), torch.float32), quantize=quantize, runtime="torch")
+placement, shard = Placement(torch.device("cpu"), torch.float32), Shard(rank, world)
+load = lambda: load_model(spec, placement, quantize=quantize, runtime="torch", shard=shard)
 loaded, _ = load_shard(rank, world, load, "cpu")
 with torch.inference_mode():
     logits = loaded.model(input_ids=torch.tensor({IDS})).logits

@@ -44,7 +44,7 @@ from rbee_worker.loading.gguf.dequant import KERNEL_DTYPE, int4_affine, int8_per
 from rbee_worker.loading.loader import load_model
 from rbee_worker.loading.sharding.tp_cuts import Cut, keep_columns, keep_rows
 from rbee_worker.loading.sharding.tp_layers import shard_model
-from rbee_worker.loading.sharding.tp_loading import loading_shard
+from rbee_worker.loading.spec import Shard
 
 CPU = torch.device("cpu")
 NEAR_TIE = 0.5  # nats between one process's first and second choices where the split model may pick the second
@@ -122,8 +122,7 @@ def test_an_int8_shard_loaded_alone_is_the_cut_of_the_whole_int8_model(tiny_llam
     whole = load_model(spec, placement, quantize="int8", runtime="torch").model
     quantize_head(whole)  # as on CUDA (quantize_linears), where one process's head becomes int8
     shard_model(whole, rank, 2)
-    with loading_shard(rank, 2):
-        alone = load_model(spec, placement, quantize="int8", runtime="torch").model
+    alone = load_model(spec, placement, quantize="int8", runtime="torch", shard=Shard(rank, 2)).model
     quantize_head(alone)
     assert alone.tp_shard == (rank, 2)  # loaded as its shard, not whole and then cut
     o_proj = alone.model.layers[0].self_attn.o_proj.linear

@@ -34,7 +34,7 @@ from test_tensor_parallel import (  # noqa: F401 -- close_script_forks: the modu
 from rbee_worker.hardware.devices import Placement
 from rbee_worker.loading.loader import load_model
 from rbee_worker.loading.sharding.tp_layers import shard_model
-from rbee_worker.loading.sharding.tp_loading import loading_shard
+from rbee_worker.loading.spec import Shard
 
 # Run by each process, forked from one that has imported torch and the loader (run_scripts), so that every process
 # starts from the same imports: rank, world (0: the whole model in one process, no process group), port, MODEL, where
@@ -44,10 +44,12 @@ import json, os, sys, torch, torch.distributed as dist
 from rbee_worker.hardware.devices import Placement
 from rbee_worker.engine.parallel.ranks import load_shard
 from rbee_worker.loading.loader import load_model
+from rbee_worker.loading.spec import Shard
 rank, world, port, spec, out = sys.argv[1:]
 rank, world = int(rank), int(world)
 torch.set_num_threads(1)
-load = lambda: load_model(spec, Placement(torch.device("cpu"), torch.float32), runtime="torch")
+shard = Shard(rank, world) if world else None
+load = lambda: load_model(spec, Placement(torch.device("cpu"), torch.float32), runtime="torch", shard=shard)
 if world:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     loaded, _ = load_shard(rank, world, load, "cpu")
@@ -121,8 +123,7 @@ def test_a_gguf_shard_loaded_alone_is_the_cut_of_the_whole_model(quantize: str) 
     for rank in range(3):
         cut = copy.deepcopy(whole)
         shard_model(cut, rank, 3)
-        with loading_shard(rank, 3):
-            alone = load_model("demo", placement, quantize=quantize, runtime="torch").model
+        alone = load_model("demo", placement, quantize=quantize, runtime="torch", shard=Shard(rank, 3)).model
         assert alone.tp_shard == (rank, 3)  # built as its shard, not loaded whole and then cut
         assert_same_tensors(alone, cut)
     if quantize == "int4":  # the embedding reads its tied head's int8 codes, as in one process

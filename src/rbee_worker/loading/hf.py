@@ -21,7 +21,8 @@ from rbee_worker.hardware.devices import check_fits
 from rbee_worker.layers.quantize import quantize_linears
 from rbee_worker.loading.loaded import LoadedModel, context_length_of, eos_ids, finish
 from rbee_worker.loading.progress import LoadProgress
-from rbee_worker.loading.sharding.tp_loading import load_shard_weights, shard_to_load
+from rbee_worker.loading.sharding.tp_loading import load_shard_weights
+from rbee_worker.loading.spec import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
 LAYER_TYPES = {"full_attention", "sliding_attention"}  # the `layer_types` that the torch runtime computes
@@ -43,16 +44,21 @@ UNSERVED = {
 
 
 def load_hf_directory(
-    path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, quantize: str = "none"
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: LoadProgress,
+    quantize: str = "none",
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """The model of a Hugging Face directory on `device` in `dtype`; with `quantize` "int8" / "int4", its decoder
-    layers' linear layers quantized after loading (the caller checks quantized_supported). An encoder (BERT family)
-    loads as transformers' base model, for embeddings only."""
+    layers' linear layers quantized after loading (the caller checks quantized_supported); with `shard`, a
+    tensor-parallel rank's part alone (loading/sharding/tp_loading.py). An encoder (BERT family) loads as
+    transformers' base model, for embeddings only."""
     config = read_config(path)
     encoder = is_encoder(config)
     model_class = MODEL_MAPPING[type(config)] if encoder else causal_lm_class(config, path)
     shards = weight_files(path)
-    shard = shard_to_load()  # a tensor-parallel rank's part alone (loading/sharding/tp_loading.py), or None
     if encoder and (quantize != "none" or shard is not None):
         raise ModelLoadError(
             f"{path.name} is an encoder model ({config.model_type}), which the worker serves for embeddings in its "

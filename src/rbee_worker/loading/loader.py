@@ -18,7 +18,7 @@ from rbee_worker.loading.demo import demo_model_path, demo_path
 from rbee_worker.loading.gguf.llama_cpp_model import llama_cpp_installed, load_llama_cpp
 from rbee_worker.loading.loaded import LoadedModel
 from rbee_worker.loading.progress import LoadProgress
-from rbee_worker.loading.spec import ModelSpec
+from rbee_worker.loading.spec import ModelSpec, Shard
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -122,6 +122,7 @@ def probe_model(
     quantize: str = "none",
     max_context: int | None = None,
     chat_template: str | None = None,
+    shard: Shard | None = None,
 ) -> ModelSpec:
     """MODEL found and checked once, before anything loads, without reading its weights: its file or directory (a
     hub id from the local cache; the demo where it is cached, not fetched yet), whether it is a GGUF file, the runtime
@@ -129,10 +130,10 @@ def probe_model(
     is a ModelLoadError with a one-line message.
 
     `max_context` caps the context below the model's own (less KV memory); `chat_template` (Jinja text) replaces the
-    model's own; `quantize` "int8" / "int4" quantizes a float model's decoder layers at load (layers/quantize.py) and
-    keeps a GGUF file's quantized matrices in its own types (either value: the file decides;
-    loading/gguf/gguf_model.py). On llama.cpp a GGUF file keeps its own types, whatever `quantize` and the placement's
-    dtype say.
+    model's own; `shard` loads a tensor-parallel rank's part alone; `quantize` "int8" / "int4" quantizes a float model's
+    decoder layers at load (layers/quantize.py) and keeps a GGUF file's quantized matrices in its own types (either
+    value: the file decides; loading/gguf/gguf_model.py). On llama.cpp a GGUF file keeps its own types, whatever
+    `quantize` and the placement's dtype say.
     """
     if name == "demo":
         path, gguf = demo_path(), True
@@ -143,7 +144,7 @@ def probe_model(
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     runtime = resolve_runtime(runtime, path, gguf, placement.device)
     quantize = "none" if runtime == "llama.cpp" else resolve_quantize(quantize, gguf, placement)
-    return ModelSpec(name, path, gguf, placement, runtime, quantize, max_context, chat_template)
+    return ModelSpec(name, path, gguf, placement, runtime, quantize, max_context, chat_template, shard)
 
 
 def model_files(spec: ModelSpec) -> Path:
@@ -159,11 +160,18 @@ def load_model(
     quantize: str = "none",
     max_context: int | None = None,
     chat_template: str | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """MODEL probed (probe_model, whose arguments these are) and loaded onto the placement's device at once: for a
     caller that has no ModelSpec yet."""
     spec = probe_model(
-        name, placement, runtime=runtime, quantize=quantize, max_context=max_context, chat_template=chat_template
+        name,
+        placement,
+        runtime=runtime,
+        quantize=quantize,
+        max_context=max_context,
+        chat_template=chat_template,
+        shard=shard,
     )
     return load_spec(spec)
 
@@ -191,9 +199,13 @@ def load_spec(spec: ModelSpec, progress: LoadProgress | None = None) -> LoadedMo
         with _LOADING:
             if spec.gguf:
                 quantized = spec.quantize != "none"
-                loaded = load_gguf(path, placement.device, placement.dtype, progress, quantized=quantized)
+                loaded = load_gguf(
+                    path, placement.device, placement.dtype, progress, quantized=quantized, shard=spec.shard
+                )
             else:
-                loaded = load_hf_directory(path, placement.device, placement.dtype, progress, spec.quantize)
+                loaded = load_hf_directory(
+                    path, placement.device, placement.dtype, progress, spec.quantize, shard=spec.shard
+                )
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(
             f"not enough memory on {placement.device} to load {path.name}; use a smaller model"

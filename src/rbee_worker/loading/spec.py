@@ -1,10 +1,18 @@
 """What a model load needs, found and checked once before anything loads (loading/loader.py probe_model): the loader,
-the tensor-parallel ranks (each with its own placement) and the worker's settings carry it as it is."""
+the tensor-parallel ranks (each with its own placement and shard) and the worker's settings carry it as it is."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from rbee_worker.hardware.devices import Placement
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A tensor-parallel rank's part of the model: rank `rank` of `world`."""
+
+    rank: int
+    world: int
 
 
 @dataclass(frozen=True)
@@ -21,3 +29,6 @@ class ModelSpec:
     quantize: str
     max_context: int | None = None  # None: the model's own context
     chat_template: str | None = None  # Jinja text; None: the model's own
+    # A tensor-parallel rank's shard, which the loader builds alone (loading/sharding/tp_loading.py); None: the whole
+    # model
+    shard: Shard | None = None

@@ -3,7 +3,7 @@
 transformers can load GGUF itself (`from_pretrained(..., gguf_file=...)`) but slowly (bench/results/README.md),
 mostly in gguf-py's reader and numpy dequantization; here the header is parsed directly, weights are dequantized with
 torch on the target device, and the model is assembled from a state dict without a second copy. A tensor-parallel
-rank (models/tp_loading.loading_shard) builds only its shard, one whole layer at a time (`fill_shard`). This path
+rank (ModelSpec.shard) builds only its shard, one whole layer at a time (`fill_shard`). This path
 takes ARCHITECTURES; every other architecture goes through transformers' own GGUF loading (gguf_transformers.py).
 """
 
@@ -31,7 +31,7 @@ from rbee_worker.loading.gguf.gguf_transformers import load_through_transformers
 from rbee_worker.loading.loaded import LoadedModel, eos_ids, finish
 from rbee_worker.loading.progress import LoadProgress
 from rbee_worker.loading.sharding.tp_layers import shard_model
-from rbee_worker.loading.sharding.tp_loading import Shard, shard_to_load
+from rbee_worker.loading.spec import Shard
 
 # GGUF architecture -> transformers model_type, for the architectures whose GGUF metadata and tensors map onto the
 # transformers model without architecture-specific rewrites beyond the Q/K permutation below. There is no "mistral":
@@ -67,14 +67,25 @@ CONFIG_KEYS = {
 
 
 def load_gguf(
-    path: Path, device: torch.device, dtype: torch.dtype, progress: LoadProgress, quantized: bool = False
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: LoadProgress,
+    quantized: bool = False,
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """The model of a GGUF file on `device`, its weights dequantized to `dtype`; with `quantized`, the file's quantized
     matrices of linear layers and token embedding stay quantized instead: Q4_0 / Q4_1 / Q4_K as int4, Q8_0 / Q5_K /
-    Q6_K as int8 (see keep_quantized), F16 / BF16 / F32 as they are (the caller checks quantized_supported)."""
+    Q6_K as int8 (see keep_quantized), F16 / BF16 / F32 as they are (the caller checks quantized_supported); with
+    `shard`, a tensor-parallel rank's part alone (`fill_shard`)."""
     file = read_gguf(path)
     arch = file.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
+        if shard is not None:
+            raise ModelLoadError(
+                f"--tensor-parallel splits GGUF files of the {', '.join(ARCHITECTURES)} architectures; {path.name} is "
+                f"{arch}: use its Hugging Face directory"
+            )
         return load_through_transformers(file, arch, end_token_ids(file), device, dtype, progress, quantized)
     config = gguf_config(file, arch)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
@@ -84,7 +95,6 @@ def load_gguf(
     sources = tensor_sources(file, arch, expected, config)
     kept = quantized_weights(file, sources, skeleton) if quantized else {}
     loaded_bytes = weight_bytes(file, dtype, set(kept.values()))
-    shard = shard_to_load()  # a tensor-parallel rank's part alone (fill_shard), or None
     check_fits(
         loaded_bytes // (shard.world if shard else 1), device, f"the weights of {path.name} (dequantized to {dtype})"
     )
@@ -257,7 +267,7 @@ def fill_shard(
 ) -> None:
     """A tensor-parallel rank's shard, from the model built of placeholders only: each decoder layer, then the token
     embedding and LM head, are loaded whole as one process loads them (dequantized, or `kept` quantized) and cut at
-    once (tensor_parallel.shard_model), the rest (the final norm) last. So a rank holds its shard plus one whole layer
+    once (tp_layers.shard_model), the rest (the final norm) last. So a rank holds its shard plus one whole layer
     at a time (at the end the vocabulary's matrices), and exactly one process's model cut."""
     names = {id(module): name for name, module in model.named_modules()}
     left = dict(sources)  # the parameters that are still placeholders

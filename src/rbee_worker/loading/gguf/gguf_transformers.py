@@ -30,7 +30,6 @@ from rbee_worker.loading.gguf.gguf_tokenizer import build_tokenizer
 from rbee_worker.loading.hf import check_attention, check_layer_types, check_loading_info, first_line
 from rbee_worker.loading.loaded import LoadedModel, context_length_of, eos_ids, finish
 from rbee_worker.loading.progress import LoadProgress
-from rbee_worker.loading.sharding.tp_loading import shard_to_load
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +51,6 @@ def load_through_transformers(
         ) from exc
     check_layer_types(getattr(config.get_text_config(), "layer_types", None), path)
     check_attention(config, path)
-    if shard_to_load() is not None:
-        raise ModelLoadError(
-            f"--tensor-parallel splits GGUF files of the llama, qwen2 and qwen3 architectures; {path.name} is {arch}: "
-            "use its Hugging Face directory"
-        )
     # Before the load, the least the device will hold (every quantized tensor kept); after it, what it will.
     quantized_tensors = (
         {n for n, info in file.tensors.items() if info.ggml_type in QUANTIZED_TYPES} if quantized else set()

@@ -12,7 +12,8 @@ read (query head h reads key/value head h // (H / KV), and a rank's query heads 
 by KV). transformers' attention finds its head counts from the projections' widths (`view(*shape, -1, head_dim)`);
 `num_key_value_groups` (query heads per key/value head on this rank) is set on each attention module. The config is
 set to the rank's counts (heads, key/value heads, intermediate size; head_dim written out), so that what is sized
-from it follows the shard: the paged KV cache (engine/kv_cache.kv_shape) holds only this rank's key/value heads.
+from it follows the shard: the paged KV cache (engine/runners/torch/kv_cache.kv_shape) holds only this rank's key/value
+heads.
 
 The vocabulary is split too (vocab parallel): each rank keeps VocabShard.size rows of the token embedding and of the
 LM head, the vocabulary padded to N such shards of a multiple of VOCAB_ALIGN rows (the padding rows are zero). The
@@ -25,7 +26,7 @@ scales (loading/sharding/tp_cuts.py), so every rank holds exactly its part of wh
 
 A rank loads only its shard of a safetensors directory (loading/sharding/tp_loading.py), and under `--quantize
 int8|int4` quantizes it there into exactly its part of one process's quantization; of a GGUF file it builds one whole
-layer at a time and cuts it at once (`materialize`, models/gguf_model.fill_shard). The final norm is replicated.
+layer at a time and cuts it at once (`materialize`, loading/gguf/gguf_model.fill_shard). The final norm is replicated.
 """
 
 import dataclasses
@@ -173,11 +174,11 @@ def check_divisible(config: PretrainedConfig, world: int, name: str) -> None:
 
 
 def shard_loaded(loaded: LoadedModel, rank: int, world: int) -> LoadedModel:
-    """The loaded model as rank `rank`'s shard of `world`: the torch runtime's loaders build it as that shard inside
-    models/tp_loading.loading_shard (their weight bytes are the shard's); another runtime is refused."""
+    """The loaded model as rank `rank`'s shard of `world`: the torch runtime's loaders build it as that shard, given
+    a ModelSpec with that shard (their weight bytes are the shard's); another runtime is refused."""
     if loaded.info.runtime != "torch":
         raise ModelLoadError("tensor parallelism runs on the torch runtime; use --runtime torch (or auto)")
-    assert getattr(loaded.model, "tp_shard", None) == (rank, world), "a model loaded outside loading_shard"
+    assert getattr(loaded.model, "tp_shard", None) == (rank, world), "loaded without its ModelSpec.shard"
     return loaded
 
 

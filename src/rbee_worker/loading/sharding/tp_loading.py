@@ -1,16 +1,15 @@
 """A tensor-parallel rank that loads only its shard of a safetensors directory, so that no process ever holds the
 whole model (a 70B over 4 GPUs: a quarter each, plus the replicated norms).
 
-engine/tp_ranks.load_shard runs a rank's load inside `loading_shard(rank, world)`, and both loaders ask
-`shard_to_load`: loading/gguf/gguf_model.py builds a GGUF file's shard one whole layer at a time
-(gguf_model.fill_shard), and loading/hf.py, given a shard, loads a directory through `load_shard_weights`: transformers
-builds the model from placeholders (one zero expanded to each stored tensor's shape: no memory, while its buffers, the
-rotary frequencies say, are made as in any load), its parameters go to the meta device (so that cutting them allocates
-nothing), models/tensor_parallel.shard_model cuts it (each cut part records its `Cut`: loading/sharding/tp_cuts.py), and
-each parameter is then read from its file as the rows or columns its part holds (safetensors' `get_slice`, one tensor at
-a time), a tied weight once. So a rank's memory peaks at its shard plus about twice its largest part (the part and the
-file's pages it was read from). The model comes back already cut (`tp_shard` set: tensor_parallel.shard_loaded checks
-it).
+A rank's ModelSpec names its shard (ModelSpec.shard), which both loaders take: loading/gguf/gguf_model.py builds a GGUF
+file's shard one whole layer at a time (gguf_model.fill_shard), and loading/hf.py, given a shard, loads a directory
+through `load_shard_weights`: transformers builds the model from placeholders (one zero expanded to each stored tensor's
+shape: no memory, while its buffers, the rotary frequencies say, are made as in any load), its parameters go to the meta
+device (so that cutting them allocates nothing), tp_layers.shard_model cuts it (each cut part records its `Cut`:
+loading/sharding/tp_cuts.py), and each parameter is then read from its file as the rows or columns its part holds
+(safetensors' `get_slice`, one tensor at a time), a tied weight once. So a rank's memory peaks at its shard plus about
+twice its largest part (the part and the file's pages it was read from). The model comes back already cut (`tp_shard`
+set: tp_layers.shard_loaded checks it).
 
 Quantization: a rank quantizes its shard at load as one process quantizes the whole model (loading/hf.py,
 layers/quantize.py), and holds exactly that quantization's cut. `--quantize int4`'s groups run along a row's inputs,
@@ -20,12 +19,9 @@ the float shard is quantized. `--quantize int8`'s one scale per row needs the wh
 quantized, and cut to the rank's columns (`int8_columns`), so that the peak also holds one such matrix and the
 temporaries of its quantization (as one process's quantization of it does); the other layers' rows quantize alone,
 one scale each. An untied LM head, which one process on CUDA quantizes to int8 per row, is quantized as the rank's
-vocabulary shard of it (models/quantize.quantize_head): the same rows.
+vocabulary shard of it (layers/quantize.quantize_head): the same rows.
 """
 
-import contextlib
-import contextvars
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,30 +39,7 @@ from rbee_worker.loading.sharding.tp_layers import (
     VocabParallelHead,
     shard_model,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    rank: int
-    world: int
-
-
-_SHARD: contextvars.ContextVar[Shard | None] = contextvars.ContextVar("rbee_tp_shard", default=None)
-
-
-@contextlib.contextmanager
-def loading_shard(rank: int, world: int) -> Iterator[None]:
-    """Loads in this block are rank `rank`'s of `world` (see the module)."""
-    token = _SHARD.set(Shard(rank, world))
-    try:
-        yield
-    finally:
-        _SHARD.reset(token)
-
-
-def shard_to_load() -> Shard | None:
-    """The shard that a directory's load in this context reads alone; None outside tensor parallelism."""
-    return _SHARD.get()
+from rbee_worker.loading.spec import Shard
 
 
 def load_shard_weights(
@@ -172,7 +145,7 @@ def read(handle, key: str, cut: Cut | None) -> torch.Tensor:
 def int8_columns(handle, key: str, cut: Cut, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The columns `cut` of stored matrix `key` as int8, exactly the whole matrix's quantization cut: the whole
     matrix is read in `dtype` on `device` (as one process loads it), quantized with one scale per whole row, then
-    cut (models/tp_cuts.keep_columns)."""
+    cut (tp_cuts.keep_columns)."""
     whole = handle.get_slice(key)[:].to(device, dtype)
     return keep_columns(int8_linear(whole, None), cut.start, cut.count, key)
 
