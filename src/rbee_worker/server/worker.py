@@ -42,6 +42,7 @@ from rbee_worker.hardware.cpu_features import cpu_features
 from rbee_worker.loading.loaded import LoadedModel
 from rbee_worker.loading.loader import load_spec
 from rbee_worker.loading.progress import LoadProgress
+from rbee_worker.loading.spec import ModelSpec
 from rbee_worker.server.listener import advertised_url
 from rbee_worker.server.pool_client import (
     HeartbeatStatus,
@@ -150,8 +151,8 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     progress = LoadProgress()
     metrics = Metrics()
 
-    def load() -> LoadedModel:
-        return load_spec(config.model, progress)
+    def load(spec: ModelSpec) -> LoadedModel:
+        return load_spec(spec, progress)
 
     if config.topology.world > 1:
         from rbee_worker.engine.parallel.ranks import start_ranks  # torch.distributed: imported where it is used
@@ -160,7 +161,7 @@ def serve(config: WorkerConfig, sock: socket.socket) -> None:
     else:
         ranks = None
     if ranks is None:
-        engine = Engine(load, config.engine, observer=metrics)
+        engine = Engine(lambda: load(config.model), config.engine, observer=metrics)
     else:
         from rbee_worker.engine.parallel.tp_runners import runner_factory
 

@@ -60,7 +60,7 @@ from rbee_worker.errors import ModelLoadError
 from rbee_worker.hardware.devices import Placement
 from rbee_worker.loading.loaded import LoadedModel
 from rbee_worker.loading.sharding.tp_layers import shard_loaded
-from rbee_worker.loading.sharding.tp_loading import loading_shard
+from rbee_worker.loading.spec import ModelSpec, Shard
 from rbee_worker.server.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -158,14 +158,14 @@ def receive(group: dist.ProcessGroup) -> object:
 def load_shard(
     rank: int, world: int, load: Callable[[], LoadedModel], device: str
 ) -> tuple[LoadedModel, list[RankReport]]:
-    """Load this rank's shard (after `join`; loading/sharding/tp_loading.py: either loader builds it alone); every
+    """Load this rank's shard (after `join`; `load` loads a ModelSpec with this rank's shard: either loader builds it
+    alone, loading/sharding/tp_loading.py); every
     rank's report (one gather), in rank order. So every rank learns whether every other one loaded, and a model that
     fails anywhere ends every rank with an error, never a hang in a later collective: this rank's own error is raised as
     it is, another rank's as a ModelLoadError."""
     loaded, error = None, None
     try:
-        with loading_shard(rank, world):  # only this rank's part is kept
-            loaded = shard_loaded(load(), rank, world)
+        loaded = shard_loaded(load(), rank, world)
     except Exception as exc:  # reported to every rank below
         error = exc
     own = RankReport(device, error=None if error is None else f"rank {rank} could not load the model: {error}")
@@ -185,7 +185,7 @@ class Ranks:
     process is rank 0 (`load`, `runner`, `send`); on another node it only starts and watches its ranks (`wait`)."""
 
     def __init__(self, topology: Topology, config: WorkerConfig) -> None:
-        model = config.model
+        model = self.model = config.model
         self.topology, self.placement, self.threads = topology, model.placement, config.engine.threads
         self.world = topology.world
         self.failure: str | None = None  # why a rank stopped, once one has
@@ -201,7 +201,7 @@ class Ranks:
         first = topology.first
         for rank in range(max(first, 1), first + topology.per_node):
             placement = rank_placement(model.placement, rank - first, topology.devices)
-            own = dataclasses.replace(model, placement=placement)
+            own = dataclasses.replace(model, placement=placement, shard=Shard(rank, self.world))
             setup = RankSetup(rank, topology, own, self.threads, config.log_level, config.log_format)
             command = [
                 sys.executable,
@@ -229,13 +229,15 @@ class Ranks:
         """Every rank's device, in rank order (after the load)."""
         return [report.device for report in self.reports]
 
-    def load(self, load: Callable[[], LoadedModel]) -> LoadedModel:
-        """Rank 0's load (on the engine thread): join the other ranks, load and cut rank 0's shard."""
+    def load(self, load: Callable[[ModelSpec], LoadedModel]) -> LoadedModel:
+        """Rank 0's load (on the engine thread): join the other ranks, load rank 0's shard (`load` given the worker's
+        ModelSpec with that shard)."""
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         join(0, self.world, self.topology.init_method, self.placement)
         self.group = control_group(self.world, self.topology.per_node)
-        loaded, self.reports = load_shard(0, self.world, load, str(self.placement.device))
+        spec = dataclasses.replace(self.model, shard=Shard(0, self.world))
+        loaded, self.reports = load_shard(0, self.world, lambda: load(spec), str(self.placement.device))
         return loaded
 
     def serving(self, memory_bytes: Callable[[], list[int]]) -> None:
