@@ -409,7 +409,7 @@ class Harness:
         proposer = self.propose if proposals else None
         self.core = EngineCore(self.runner, config, proposer=proposer)  # type: ignore[arg-type] -- a partial Runner
         self.scheduler = self.core.scheduler
-        self.pool, self.windows = self.scheduler.blocks, self.scheduler.windows
+        self.pool, self.windows = self.scheduler.kv.blocks, self.scheduler.kv.windows
         self.runner.pool, self.runner.windows = self.pool, self.windows
         self.events: dict[str, list[Event]] = defaultdict(list)
         self.sequences: list[Sequence] = []

@@ -18,7 +18,7 @@ class Harness:
         engine_config = EngineConfig(**config)
         kv = KvGeometry(blocks, engine_config.block_size, 1024, 1)
         self.scheduler = Scheduler(engine_config, Capabilities(mixed_batches), kv)
-        self.pool = self.scheduler.blocks
+        self.pool = self.scheduler.kv.blocks
 
     def add(self, request_id: str, prompt_len: int = 0, max_tokens: int = 8, prompt: Tokens[int] = ()) -> Sequence:
         """A request of `prompt` (default: `prompt_len` ones)."""
@@ -357,6 +357,6 @@ def test_a_prefix_the_runtime_holds_is_restored_by_the_plan_and_a_lost_one_read_
     assert shape(plan) == [[("a", 12, 8)]] and sequence.cached_prompt_tokens == 12
     scheduler.update([Lost(sequence)])
     assert (sequence.cached, sequence.table.blocks, sequence.cached_prompt_tokens) == (0, [], 0)
-    assert scheduler.blocks.hit_tokens == 0
+    assert scheduler.kv.blocks.hit_tokens == 0
     plan = scheduler.schedule()
     assert not plan.restores and shape(plan) == [[("a", 0, 20)]]

@@ -313,14 +313,14 @@ class Engine:
         """The share of the KV block pool that running requests hold; 0 before the model is loaded."""
         if self._core is None:
             return 0.0
-        blocks = self._core.scheduler.blocks
+        blocks = self._core.scheduler.kv.blocks
         return blocks.used_blocks / blocks.capacity
 
     def prefix_cache_tokens(self) -> tuple[int, int]:
         """Prompt tokens looked up in the prefix cache since start, and of them found there."""
         if self._core is None:
             return 0, 0
-        return self._core.scheduler.blocks.queried_tokens, self._core.scheduler.blocks.hit_tokens
+        return self._core.scheduler.kv.blocks.queried_tokens, self._core.scheduler.kv.blocks.hit_tokens
 
     @property
     def preemptions(self) -> int:

@@ -1,5 +1,5 @@
 """The scheduler: which requests run, which batch row each holds, which KV blocks back each, what each round computes,
-and how far each request has got.
+and how far each request has got (their KV blocks through engine/scheduling/kv_manager.py).
 
 It knows no tensors and no text, and calls no other stage: the executor turns its plan into forwards and sampled
 tokens (engine/executor.py), `update` takes back what they computed, and the output processor turns the tokens into
@@ -19,14 +19,6 @@ When the pool has too few free blocks for a request's work, the newest running r
 preempted: its blocks go back to the pool, it keeps its batch row (its sampling state stays), and it reads its prompt
 and the tokens it has generated again as a prompt when blocks are free, then decodes on. Its caller sees no
 difference but time. A prompt chunk that still finds too few blocks waits for a later round.
-
-A model's sliding layers may keep their keys and values in a pool of their own (KvGeometry.window_blocks), as vLLM's
-hybrid KV cache manager does: there each sequence holds a second table (`window_table`) with the blocks of its last
-positions only. Before each of its steps, the blocks wholly before the window of its first position whose step the
-host has not taken (`cached`) go back to that pool (prefix-cache blocks staying registered until reused). The pool
-holds every row's window and a round's prompt chunks (rows.window_blocks_for), so only the main pool limits what
-runs. A cached prefix is taken only as far as the pool of windows still holds the blocks of its window
-(BlockPool.match_window): the prefix's sliding layers need those and no earlier ones.
 
 A cached prefix gives the same tokens as a fresh run (issue 30) where the runner's kernels round a row alike in any
 forward of at least `uniform_rows` rows (Capabilities.uniform_rows): a CPU's kernels pick another product for fewer
@@ -48,7 +40,6 @@ decode row has a forward of its own, chunks split a prompt at multiples of `pref
 the prefix cache serves and keeps only prompt blocks inside whole chunks, which any request computes alike.
 """
 
-import math
 from collections import deque
 from collections.abc import Callable
 
@@ -71,7 +62,7 @@ from rbee_worker.engine.plan import (
 from rbee_worker.engine.request_types import ErrorCode, StopReason
 from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, RuntimePrefixes, common_prefix
 from rbee_worker.engine.runners.protocol import Capabilities, KvGeometry
-from rbee_worker.engine.scheduling.kv_blocks import BlockPool
+from rbee_worker.engine.scheduling.kv_manager import KvManager
 
 # Tokens proposed to follow a sequence's last one (speculative decoding), as many as the proposer has up to `limit`.
 Proposer = Callable[[Sequence, int], tuple[int, ...]]
@@ -100,14 +91,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.proposer = proposer if capabilities.row_tokens > 1 else None
         self.row_tokens = capabilities.row_tokens
-        self.blocks = BlockPool(kv.blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
-        # The sliding layers' pool of windows (KvGeometry.window_blocks), where a sequence holds its last positions.
-        self.window = kv.window or 0
-        self.windows = (
-            BlockPool(kv.window_blocks, kv.block_size, config.prefix_caching and kv.shared_blocks)
-            if kv.window_blocks
-            else None
-        )
+        self.kv = KvManager(config, kv)
         # Where the runtime keeps a prefix cache of its own (Runner.prefixes), it is looked up instead of the pool's.
         self._prefixes = prefixes
         self._restores: list[tuple[Sequence, PrefixHit]] = []  # the prefixes this round's plan restores
@@ -216,14 +200,13 @@ class Scheduler:
             if self.config.deterministic or self.whole_prompts:
                 return None
             # As much of the chunk as its blocks and the free ones hold.
-            held = (len(sequence.table.blocks) + self.blocks.free_blocks) * self.blocks.block_size
-            count = min(count, held - sequence.cached)
-            if count <= 0 or not self._grow(sequence, sequence.cached + count):
+            count = min(count, self.kv.held_tokens(sequence) - sequence.cached)
+            if count <= 0 or not self.kv.grow(sequence, sequence.cached + count):
                 return None
         if not sequence.looked_up:  # its first chunk runs: what it found is what it reports
             sequence.looked_up = True
             sequence.cached_prompt_tokens = sequence.cached
-            self.blocks.count_query(len(sequence.request.prompt_ids), sequence.cached)
+            self.kv.blocks.count_query(len(sequence.request.prompt_ids), sequence.cached)
         return Chunk(sequence, sequence.cached, count)
 
     def _sibling_computes(self, sequence: Sequence) -> bool:
@@ -231,10 +214,10 @@ class Scheduler:
         batch of prompts sharing a system prompt): this one waits for its blocks to land in the prefix cache rather
         than computing them again beside it (vLLM registers blocks as they are allocated; here as they are
         computed)."""
-        size = self.blocks.block_size
+        size = self.kv.blocks.block_size
         prompt = sequence.request.prompt_ids
         takes = len(prompt) - max(self.uniform_rows, 1)  # the most a cache hit gives it (see _look_up)
-        if not self.blocks.prefix_caching or takes < size or sequence.scoring or sequence.request.embed:
+        if not self.kv.blocks.prefix_caching or takes < size or sequence.scoring or sequence.request.embed:
             return False
         for other in self.running:
             if other is sequence or other.finished or not other.prefilling or not other.table.blocks:
@@ -255,30 +238,23 @@ class Scheduler:
         limit = max(sequence.prefill_end - max(self.uniform_rows, 1), 0)
         if self.config.deterministic:
             limit -= limit % self.config.prefill_chunk
-        tokens = sequence.token_ids(0, sequence.prefill_end)
         if self._prefixes is None:
-            found = self.blocks.match(sequence.table, tokens, limit)
-            # In deterministic mode whole chunks only (the pool evicts a chunk's last blocks before its first ones).
-            multiple = math.lcm(self.config.prefill_chunk, self.blocks.block_size) if self.config.deterministic else 1
-            if self.windows is not None and found:  # as long a prefix as the sliding layers' pool holds the window of
-                found = self.windows.match_window(sequence.window_table, tokens, found, self.window, multiple)
-            found -= found % multiple
-            self.blocks.shorten(sequence.table, found)
-            sequence.cached = found
+            sequence.cached = self.kv.match(sequence, limit)
             return
         assert sequence.row is not None
         if sequence in self._preempted or sequence in self._lost:  # its runtime memory goes when this round starts
             return
+        tokens = sequence.token_ids(0, sequence.prefill_end)
         hit = self._prefixes.find(sequence.row, tokens, limit)  # restored before this round's evictions
         # The runtime's cells are its own; the pool accounts for them as the sequence's blocks.
-        if hit is not None and self.blocks.grow(sequence.table, len(hit.token_ids)):
+        if hit is not None and self.kv.blocks.grow(sequence.table, len(hit.token_ids)):
             sequence.cached = len(hit.token_ids)
             self._restores.append((sequence, hit))
 
     def _room(self, sequence: Sequence, tokens: int, wait: bool = False) -> bool:
         """Blocks for the sequence's positions 0..tokens-1, preempting newer running requests while too few are free.
         A decode row that finds none preempts its own sequence; a prompt chunk (`wait`) then waits instead."""
-        while not self._grow(sequence, tokens):
+        while not self.kv.grow(sequence, tokens):
             victim = next(
                 (s for s in reversed(self.running) if s is not sequence and s.table.blocks and not s.finished), None
             )
@@ -289,30 +265,13 @@ class Scheduler:
             self._preempt(victim)
         return True
 
-    def _grow(self, sequence: Sequence, tokens: int) -> bool:
-        """Blocks for the sequence's positions 0..tokens-1 (in the pool of windows, for its positions from the window
-        of its first position whose step the host has not taken, `cached`, the blocks before going back); False
-        when a pool has too few."""
-        if not self.blocks.grow(sequence.table, tokens):
-            return False
-        if self.windows is not None:
-            first = max(sequence.cached - self.window + 1, 0)
-            self.windows.drop(sequence.window_table, first // self.windows.block_size)
-            return self.windows.grow(sequence.window_table, tokens)
-        return True
-
-    def _release(self, sequence: Sequence) -> None:
-        self.blocks.release(sequence.table)
-        if self.windows is not None:
-            self.windows.release(sequence.window_table)
-
     def _preempt(self, sequence: Sequence) -> None:
         """The sequence lets go of its blocks and reads its tokens again later; its row and sampling state stay. A
         token of it in flight is taken first (the executor settles the step before the runtime lets go of it), and
         appended when it comes (`update`)."""
         if sequence.launched:
             self._settling.add(sequence)
-        self._release(sequence)
+        self.kv.release(sequence)
         sequence.cached = 0
         self.preemptions += 1
         self._preempted.append(sequence)
@@ -349,7 +308,7 @@ class Scheduler:
                 if sequence.finished or sequence in ended:
                     continue
                 sequence.cached += item.chunk.count
-                self._register(sequence)
+                self.kv.register(sequence)
                 progress.append(item)
                 if item.chunk.ends_prompt and not item.chunk.samples:  # a request for its prompt only ends with it
                     progress.append(Ending(sequence, StopReason.MAX_TOKENS))
@@ -374,9 +333,9 @@ class Scheduler:
         """The runtime lost the prefix restored for the sequence: it reads its prompt from the start, looking up
         nothing (what it found is no longer counted as found)."""
         self._lost.add(sequence)
-        self.blocks.hit_tokens -= sequence.cached_prompt_tokens
+        self.kv.blocks.hit_tokens -= sequence.cached_prompt_tokens
         sequence.cached_prompt_tokens = 0
-        self._release(sequence)
+        self.kv.release(sequence)
         sequence.cached = 0
 
     def _drawn(self, drawn: Drawn) -> Generated | Failed:
@@ -389,8 +348,8 @@ class Scheduler:
             else:
                 sequence.cached += len(sampled.tokens)  # its fed positions up to the last token accepted
                 if decode.draft:  # the rejected tail's positions and blocks go back
-                    self._shorten(sequence, sequence.cached + sequence.launched)
-                self._register(sequence)
+                    self.kv.shorten(sequence, sequence.cached + sequence.launched)
+                self.kv.register(sequence)
         if not sampled.valid:
             message = "inference failed: the model's logits give no valid choice"
             return Failed(sequence, ErrorCode.INFERENCE_FAILED, message)
@@ -409,27 +368,6 @@ class Scheduler:
                 break
         logprobs = sampled.logprobs[: len(tokens)]
         return Generated(sequence, tuple(tokens), logprobs, drawn.grammar, stop)
-
-    def _shorten(self, sequence: Sequence, tokens: int) -> None:
-        """The sequence keeps the blocks of its first `tokens` positions (in the pool of windows, of those of them it
-        holds)."""
-        self.blocks.shorten(sequence.table, tokens)
-        if self.windows is not None:
-            self.windows.shorten(sequence.window_table, tokens)
-
-    def _register(self, sequence: Sequence) -> None:
-        if not self.blocks.prefix_caching:
-            return
-        computed = sequence.cached
-        if self.config.deterministic:  # prompt blocks inside whole chunks only (see the module docstring)
-            prompt = len(sequence.request.prompt_ids)
-            computed = min(computed, prompt - prompt % self.config.prefill_chunk)
-        for pool, table in ((self.blocks, sequence.table), (self.windows, sequence.window_table)):
-            if pool is None:
-                continue
-            first = len(table.keys) * pool.block_size  # the first position of a block without a key
-            if computed >= first + pool.block_size:
-                pool.register(table, sequence.token_ids(first, computed))
 
     def wants_token(self, sequence: Sequence) -> bool:
         """Whether the sequence runs, has read its prompt, and needs a token beyond those in flight."""
@@ -452,7 +390,7 @@ class Scheduler:
         row, sequence.row = sequence.row, None
         self.running.remove(sequence)
         self._free_rows.append(row)
-        self._release(sequence)
+        self.kv.release(sequence)
         self._settling.discard(sequence)
         self._lost.discard(sequence)
         sequence.cached = 0
