@@ -63,7 +63,7 @@ def main() -> None:
     engine = Engine(lambda: load_model(path, placement), EngineConfig(deterministic=deterministic, max_batch=16))
     try:
         requests = [
-            Request(engine.tokenize(f"{TEXT} {i}"), max_tokens=args.tokens, sampling=chat, seed=1000 + i,
+            Request(engine.model.tokenize(f"{TEXT} {i}"), max_tokens=args.tokens, sampling=chat, seed=1000 + i,
                     ignore_eos=True)
             for i in range(16)
         ]  # fmt: skip

@@ -58,8 +58,8 @@ def measure_engine(model: str, dtype: str, quantize: str, tokens: int, repeats: 
     placement = resolve_placement("cpu", dtype)
     engine = Engine(lambda: load_model(model, placement, quantize=quantize))
     try:
-        prompt = engine.tokenize(STORY * 40)[:PROMPT_TOKENS]
-        short = engine.tokenize(STORY)
+        prompt = engine.model.tokenize(STORY * 40)[:PROMPT_TOKENS]
+        short = engine.model.tokenize(STORY)
         time_to_first_token(engine, prompt)  # warm-up: first-call kernel selection
         decode_rate(engine, short, 8, GREEDY)
         kinds = sorted({type(m).__name__ for m in engine.loaded.model.modules() if "Linear" in type(m).__name__})

@@ -39,7 +39,9 @@ def main() -> None:
         loaded = engine.loaded
         runs = []
         for prompt in ("The capital of France is", "Once upon a time, in a small village by the sea,"):
-            request = Request(engine.tokenize(prompt), max_tokens=args.tokens, sampling=SamplingParams(temperature=0))
+            request = Request(
+                engine.model.tokenize(prompt), max_tokens=args.tokens, sampling=SamplingParams(temperature=0)
+            )
             started = time.perf_counter()
             events = list(engine.stream(request))
             end = events[-1]

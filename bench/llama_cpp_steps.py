@@ -133,7 +133,7 @@ def measure(engine: Engine, timers: Timers, streams: int, mode: str, args: argpa
     sampling = SamplingParams(**SAMPLING[mode])
     runs = []
     for repeat in range(args.repeats + 1):
-        prompts = [engine.tokenize(f"{repeat}-{i}: {TEXT[:120]}") for i in range(streams)]
+        prompts = [engine.model.tokenize(f"{repeat}-{i}: {TEXT[:120]}") for i in range(streams)]
         with timers.window():
             started = time.perf_counter()
             run_streams(engine, prompts, args.tokens, sampling)
@@ -181,7 +181,7 @@ def main() -> None:
             results["llama_cpp_system"] = system
             for mode in args.sampling:
                 row = measure(engine, timers, streams, mode, args)
-                prompts = [list(engine.tokenize(f"bare-{i}: {TEXT[:120]}")) for i in range(streams)]
+                prompts = [list(engine.model.tokenize(f"bare-{i}: {TEXT[:120]}")) for i in range(streams)]
                 results["cases"][f"{streams}@{mode}"] = row
                 row["bare_tok_s"] = bare(path, streams, mode, args, prompts)
                 row["ratio"] = row["tok_s"] / row["bare_tok_s"]

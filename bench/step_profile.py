@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(lambda: load_model(args.model, placement), EngineConfig(max_batch=64, compile_model=True))
     engine.loaded  # noqa: B018 (waits for the load, the compilation and the graphs)
     greedy = SamplingParams(temperature=0)
-    chat = engine.tokenize_chat([{"role": "user", "content": structured_output.ASK}])
+    chat = engine.model.tokenize_chat([{"role": "user", "content": structured_output.ASK}])
     ids = tokenizer_of(Path(args.model))(TEXT * 60, add_special_tokens=False)["input_ids"]
     # Long enough to outlast the windows: 30 tokens, then the three windows at the slowest case's rate.
     length = int(30 + (2 * args.window + args.profiled) * 250)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def requests_for(case: str) -> list[Request]:
         if case in ("beside64", "schema64"):
-            grammar = engine.grammars.compile(GrammarSpec.json_schema(structured_output.schema(40))).result()
+            grammar = engine.model.grammars.compile(GrammarSpec.json_schema(structured_output.schema(40))).result()
 
             def constrained() -> Request:
                 return Request(chat, max_tokens=4 * length, sampling=greedy, grammar=grammar)

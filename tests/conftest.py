@@ -261,11 +261,13 @@ def run_mixed_traffic(engine, prompts: Sequence[str], stop: str | None) -> list[
     from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
     def requests(texts: Sequence[str], max_tokens: list[int]) -> list[Request]:
-        return [Request(engine.tokenize(p), max_tokens=m, sampling=SamplingParams(temperature=0)) for p, m in
+        return [Request(engine.model.tokenize(p), max_tokens=m, sampling=SamplingParams(temperature=0)) for p, m in
                 zip(texts, max_tokens, strict=True)]  # fmt: skip
 
     first = requests(prompts, [1, 7, 32])
-    first.append(Request(engine.tokenize(prompts[0]), max_tokens=16, sampling=SamplingParams(temperature=0.8), seed=5))
+    first.append(
+        Request(engine.model.tokenize(prompts[0]), max_tokens=16, sampling=SamplingParams(temperature=0.8), seed=5)
+    )
     if stop is not None:
         first.append(dataclasses.replace(first[2], request_id="stopped", stop=(stop,)))
     second = requests(prompts[::-1], [20, 3, 17])
@@ -295,7 +297,7 @@ def assert_launched_ahead_as_waiting(waiting, ahead, prompts: Sequence[str]) -> 
     for engine in (waiting, ahead):
         engine.loaded  # noqa: B018 -- no graph capture (which bars other threads' CUDA work) while the other serves
     reference = run_mixed_traffic(waiting, prompts, stop=None)
-    long_text = waiting.detokenize(tuple(reference[2][0]))
+    long_text = waiting.model.detokenize(tuple(reference[2][0]))
     stop = long_text[len(long_text) // 2 : len(long_text) // 2 + 4]  # ends a copy of the long request midway
     expected = [*reference[:4], run_mixed_traffic(waiting, prompts, stop)[4], *reference[4:]]
     assert expected[4][1] == "STOP_SEQUENCE" and len(expected[4][0]) < len(reference[2][0])

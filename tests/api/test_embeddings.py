@@ -65,9 +65,11 @@ def test_embeddings_equal_sentence_transformers(mode: str, tmp_path: Path, demo_
     )
     try:
         assert engine.loaded.pooling.mode == mode and engine.loaded.pooling.normalize
-        requests = [Request(engine.tokenize(text), max_tokens=0, embed=True) for text in TEXTS]
+        requests = [Request(engine.model.tokenize(text), max_tokens=0, embed=True) for text in TEXTS]
         streams: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(len(TEXTS) + 1)]
-        for request, events in zip([*requests, Request(engine.tokenize(TEXTS[0]), max_tokens=6)], streams, strict=True):
+        for request, events in zip(
+            [*requests, Request(engine.model.tokenize(TEXTS[0]), max_tokens=6)], streams, strict=True
+        ):
             engine.submit(request, events.put)  # all at once: their chunks share forwards
         vectors = []
         for events in streams[:-1]:
@@ -109,8 +111,8 @@ def test_an_encoder_embeds_whole_inputs(tiny_bert: Path) -> None:
         assert engine.loaded.info.encoder and engine.loaded.pooling.mode == "mean"
         streams: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(4)]
         for text, events in zip(TEXTS[:3], streams, strict=False):
-            engine.submit(Request(engine.tokenize(text), max_tokens=0, embed=True), events.put)
-        engine.submit(Request(engine.tokenize(TEXTS[1]), max_tokens=2), streams[3].put)
+            engine.submit(Request(engine.model.tokenize(text), max_tokens=0, embed=True), events.put)
+        engine.submit(Request(engine.model.tokenize(TEXTS[1]), max_tokens=2), streams[3].put)
         vectors = []
         for events in streams[:3]:
             while not isinstance(event := events.get(timeout=60), Embedding):

@@ -339,13 +339,13 @@ def generate_together(engine: Engine, requests: list[Request]) -> list[tuple[str
 
 
 def grammar_of(engine: Engine, spec: GrammarSpec) -> CompiledGrammar:
-    return engine.grammars.compile(spec).result(timeout=60)
+    return engine.model.grammars.compile(spec).result(timeout=60)
 
 
 @pytest.mark.slow
 def test_json_schema_output_always_validates(engine: Engine) -> None:
     grammar = grammar_of(engine, GrammarSpec.json_schema(PERSON))
-    prompt = engine.tokenize_chat(ASK)
+    prompt = engine.model.tokenize_chat(ASK)
     hot = SamplingParams(temperature=HOT)
     requests = [Request(prompt, max_tokens=200, sampling=hot, seed=seed, grammar=grammar) for seed in SEEDS]
     results = generate_together(engine, requests)
@@ -362,7 +362,7 @@ def test_json_object_output_is_an_object(engine: Engine) -> None:
     grammar = grammar_of(engine, GrammarSpec.json_object())
     ask = [{"role": "user", "content": 'Reply with one short JSON object, like {"name": "Tom", "age": 3}: a cat.'}]
     requests = [
-        Request(engine.tokenize_chat(ask), max_tokens=300, sampling=CHAT, seed=s, grammar=grammar) for s in SEEDS
+        Request(engine.model.tokenize_chat(ask), max_tokens=300, sampling=CHAT, seed=s, grammar=grammar) for s in SEEDS
     ]
     for text, end in generate_together(engine, requests):
         assert end.stop_reason is StopReason.EOS, text
@@ -373,7 +373,7 @@ def test_json_object_output_is_an_object(engine: Engine) -> None:
 def test_max_tokens_first_ends_with_length_and_the_partial_text(engine: Engine) -> None:
     grammar = grammar_of(engine, GrammarSpec.json_schema(PERSON))
     request = Request(
-        engine.tokenize_chat(ASK), max_tokens=6, sampling=SamplingParams(temperature=HOT), seed=7, grammar=grammar
+        engine.model.tokenize_chat(ASK), max_tokens=6, sampling=SamplingParams(temperature=HOT), seed=7, grammar=grammar
     )
     [(text, end)] = generate_together(engine, [request])
     assert end.stop_reason is StopReason.MAX_TOKENS and end.tokens_out == 6
@@ -385,9 +385,9 @@ def test_a_constrained_row_beside_unconstrained_ones(engine: Engine) -> None:
     """The grammar's mask stays in its own row: the unconstrained request in the same steps writes prose."""
     grammar = grammar_of(engine, GrammarSpec.json_schema(PERSON))
     greedy = SamplingParams(temperature=0.0)
-    story = Request(engine.tokenize(PROMPT), max_tokens=24, sampling=greedy)
+    story = Request(engine.model.tokenize(PROMPT), max_tokens=24, sampling=greedy)
     hot = SamplingParams(temperature=HOT)
-    constrained = Request(engine.tokenize_chat(ASK), max_tokens=200, sampling=hot, seed=4, grammar=grammar)
+    constrained = Request(engine.model.tokenize_chat(ASK), max_tokens=200, sampling=hot, seed=4, grammar=grammar)
     [(json_text, json_end), (prose, _)] = generate_together(engine, [constrained, story])
     assert json_end.stop_reason is StopReason.EOS
     jsonschema.validate(json.loads(json_text), PERSON)
@@ -428,9 +428,11 @@ def test_constrained_rows_with_steps_launched_ahead(demo_gguf: Path, cpu_graphs:
             grammar = grammar_of(engine, GrammarSpec.json_schema(PERSON))
             hot = SamplingParams(temperature=HOT)
             requests = [
-                Request(engine.tokenize_chat(ASK), max_tokens=200, sampling=hot, seed=11, grammar=grammar),  # row 0
-                Request(engine.tokenize(PROMPT), max_tokens=40, sampling=SamplingParams(temperature=0.0)),
-                Request(engine.tokenize(PROMPT), max_tokens=40, sampling=hot, seed=12),
+                Request(
+                    engine.model.tokenize_chat(ASK), max_tokens=200, sampling=hot, seed=11, grammar=grammar
+                ),  # row 0
+                Request(engine.model.tokenize(PROMPT), max_tokens=40, sampling=SamplingParams(temperature=0.0)),
+                Request(engine.model.tokenize(PROMPT), max_tokens=40, sampling=hot, seed=12),
             ]
             outputs.append(generate_together(engine, requests))
         assert [text for text, _ in outputs[1]] == [text for text, _ in outputs[0]]

@@ -303,14 +303,14 @@ def chat(engine: Engine, template: str = QWEN3_TEMPLATE, **variables: bool) -> t
     text = engine.loaded.tokenizer.apply_chat_template(
         ASK, chat_template=template, add_generation_prompt=True, tokenize=False, **variables
     )
-    return engine.tokenize(text, add_special_tokens=False)
+    return engine.model.tokenize(text, add_special_tokens=False)
 
 
 def constrained(engine: Engine, prompt: tuple[int, ...]) -> list[str]:
     """Each seed's text, its grammar following its reasoning; every request ends on the grammar's EOS."""
-    grammar = engine.grammars.compile(GrammarSpec.json_schema(THING)).result(timeout=60)
+    grammar = engine.model.grammars.compile(GrammarSpec.json_schema(THING)).result(timeout=60)
     requests = [
-        Request(prompt, max_tokens=200, sampling=HOT, seed=seed, grammar=grammar, reasoning=engine.reasoning)
+        Request(prompt, max_tokens=200, sampling=HOT, seed=seed, grammar=grammar, reasoning=engine.model.reasoning)
         for seed in SEEDS
     ]
     results = generate_together(engine, requests)
@@ -327,12 +327,12 @@ def refused_by_the_schema(text: str) -> bool:
 def test_the_engine_detects_the_format_honouring_the_flag_and_the_template(
     engine: Engine, think: ReasoningFormat, tiny_qwen3: Path
 ) -> None:
-    assert engine.reasoning == think
+    assert engine.model.reasoning == think
     cpu = resolve_placement("cpu", "float32")
     for config, template in ((engine_config(reasoning_parser="none"), None), (engine_config(), "{{ 'no tags' }}")):
         other = Engine(lambda t=template: load_model(str(tiny_qwen3), cpu, chat_template=t), config)
         try:
-            assert other.reasoning is None
+            assert other.model.reasoning is None
         finally:
             other.close()
 
@@ -353,11 +353,11 @@ def test_a_dormant_request_draws_what_an_unconstrained_one_draws(engine: Engine)
     """Until its end tag, a request whose prompt opens the reasoning draws exactly the tokens of the same request
     without a grammar: its row is not masked at all (each request runs alone, so that both compute the same)."""
     prompt = chat(engine, R1_TEMPLATE)
-    grammar = engine.grammars.compile(GrammarSpec.json_schema(THING)).result(timeout=60)
+    grammar = engine.model.grammars.compile(GrammarSpec.json_schema(THING)).result(timeout=60)
     for seed in SEEDS[:3]:
         [(free, _)] = generate_together(engine, [Request(prompt, 200, HOT, seed)])
         [(text, _)] = generate_together(
-            engine, [Request(prompt, 200, HOT, seed, grammar=grammar, reasoning=engine.reasoning)]
+            engine, [Request(prompt, 200, HOT, seed, grammar=grammar, reasoning=engine.model.reasoning)]
         )
         assert END in free and END in text
         assert text.partition(END)[0] == free.partition(END)[0], (text, free)
@@ -396,11 +396,13 @@ def test_both_runtimes_unmask_a_dormant_row(demo_gguf: Path, runtime: str) -> No
         tokenizer = engine.loaded.tokenizer
         start_id, full_stop = tokenizer.convert_tokens_to_ids(["<|im_start|>", "."])
         fmt = ReasoningFormat("<|im_start|>", ".", start_id, full_stop)
-        grammar = engine.grammars.compile(GrammarSpec.json_schema(THING)).result(timeout=60)
+        grammar = engine.model.grammars.compile(GrammarSpec.json_schema(THING)).result(timeout=60)
         chat_settings = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1)
-        bees = engine.tokenize_chat([{"role": "user", "content": "Tell me about bees, then describe one as JSON."}])
-        never = ReasoningFormat("<|im_start|>", "", start_id, engine.vocab_size + 1)
-        hello = engine.tokenize_chat([{"role": "user", "content": "Say hello."}])
+        bees = engine.model.tokenize_chat(
+            [{"role": "user", "content": "Tell me about bees, then describe one as JSON."}]
+        )
+        never = ReasoningFormat("<|im_start|>", "", start_id, engine.model.vocab_size + 1)
+        hello = engine.model.tokenize_chat([{"role": "user", "content": "Say hello."}])
         [(text, end), (unending, unended)] = generate_together(
             engine,
             [

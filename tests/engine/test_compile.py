@@ -44,9 +44,9 @@ def test_compiled_cpu_forward_decodes_as_the_plain_one(random_llama: Path) -> No
             # Compiled before ready: the first requests (one alone, then several together, prompts of 1 token and up)
             # find every shape compiled; a compilation now would fail them.
             torch.compiler.set_stance("fail_on_recompile")
-            alone = submit_together(engine, [Request(engine.tokenize(PROMPTS[0]), max_tokens=24,
+            alone = submit_together(engine, [Request(engine.model.tokenize(PROMPTS[0]), max_tokens=24,
                                                      sampling=SamplingParams(temperature=0))])  # fmt: skip
-            prompts = [engine.tokenize(p) for p in PROMPTS] + [engine.tokenize(PROMPTS[1])[:1]]
+            prompts = [engine.model.tokenize(p) for p in PROMPTS] + [engine.model.tokenize(PROMPTS[1])[:1]]
             together = submit_together(
                 engine, [Request(p, max_tokens=24, sampling=SamplingParams(temperature=0)) for p in prompts]
             )

@@ -69,7 +69,7 @@ def test_cuda_fp32_greedy_equals_cpu_fp32(random_llama: Path) -> None:
     ]
     try:
         for prompt in PROMPTS:
-            ids = engines[0].tokenize(prompt)
+            ids = engines[0].model.tokenize(prompt)
             assert greedy(engines[1], ids, 64)[0] == greedy(engines[0], ids, 64)[0]
     finally:
         for engine in engines:
@@ -114,7 +114,8 @@ def test_cuda_graphs_decode_as_the_eager_forward(random_llama: Path, compile_mod
         )
         try:
             greedy_requests = [
-                Request(engine.tokenize(p), max_tokens=48, sampling=SamplingParams(temperature=0)) for p in PROMPTS
+                Request(engine.model.tokenize(p), max_tokens=48, sampling=SamplingParams(temperature=0))
+                for p in PROMPTS
             ]
             results.append(submit_together(engine, greedy_requests, timeout=300))
             # The path under test really ran.
@@ -241,7 +242,7 @@ def test_prefill_graph_buckets_fit_a_short_context(random_llama: Path) -> None:
         load, [EngineConfig(cuda_graphs=g, max_batch=1, kv_cache_bytes=pool) for g in (True, False)]
     )
     try:
-        assert engines[0].context_length == 208
+        assert engines[0].model.context_length == 208
         assert engines[0]._runner.prefill_graphs.buckets == [16, 32, 64, 128]
         for count in (150, 100):
             ids = [(3 * i + 2) % 1000 + 10 for i in range(count)]
@@ -294,7 +295,7 @@ def test_quantized_model_decodes_with_graphs_as_eagerly(random_llama: Path, mode
             # 4 layers of q/k/v merged, o, gate/up merged, down (merged_linear.py), and the untied LM head in int8
             assert len(layers) == 4 * 4 + 1 and all(b.is_cuda for m in layers for b in m.buffers())
             assert type(model.lm_head) is Int8Linear
-            prompts = [engine.tokenize(p) for p in PROMPTS]
+            prompts = [engine.model.tokenize(p) for p in PROMPTS]
             results.append([greedy(engine, ids, 32)[0] for ids in prompts])
             if graphs:
                 continue
@@ -384,7 +385,7 @@ def test_windows_in_bfloat16_decode_with_the_kernel_as_eagerly(
         config = EngineConfig(max_batch=4, kv_cache_bytes=64 << 20, cuda_graphs=graphs)
         engine = Engine(lambda: load_model(str(directory), Placement(CUDA, torch.bfloat16)), config)
         try:
-            prompts = [engine.tokenize(p) for p in PROMPTS[1:]]
+            prompts = [engine.model.tokenize(p) for p in PROMPTS[1:]]
             results.append([greedy(engine, ids, 40)[0] for ids in prompts])
             if graphs:
                 continue
@@ -461,8 +462,8 @@ def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_gr
     outputs = []
     try:
         for engine in engines:
-            grammar = engine.grammars.compile(GrammarSpec.json_schema(person)).result()
-            prompt = engine.tokenize("Describe a person as JSON:")
+            grammar = engine.model.grammars.compile(GrammarSpec.json_schema(person)).result()
+            prompt = engine.model.tokenize("Describe a person as JSON:")
             hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
             requests = [
                 Request(prompt, max_tokens=120, sampling=hot, seed=11, grammar=grammar),
@@ -471,7 +472,7 @@ def test_constrained_rows_on_cuda_graphs_give_the_tokens_of_an_engine_without_gr
                 Request(prompt, max_tokens=120, sampling=cold, grammar=grammar),
             ]
             outputs.append(submit_together(engine, requests, timeout=300))
-        texts = [engines[1].detokenize(tuple(outputs[1][i])) for i in (0, 3)]
+        texts = [engines[1].model.detokenize(tuple(outputs[1][i])) for i in (0, 3)]
     finally:
         for engine in engines:
             engine.close()
@@ -495,7 +496,7 @@ def test_sliding_windows_on_cuda_graphs_give_the_cpu_float32_tokens(
     config = EngineConfig(max_batch=4, kv_cache_bytes=64 << 20)
     engines = [Engine(lambda d=d: load_model(str(directory), Placement(d, torch.float32)), config) for d in (CPU, CUDA)]
     try:
-        prompts = [engines[0].tokenize(p) for p in PROMPTS[1:]]
+        prompts = [engines[0].model.tokenize(p) for p in PROMPTS[1:]]
         expected = [greedy(engines[0], ids, 40)[0] for ids in prompts]
         assert [greedy(engines[1], ids, 40)[0] for ids in prompts] == expected
         requests = [Request(ids, max_tokens=40, sampling=SamplingParams(temperature=0)) for ids in prompts * 2]

@@ -93,7 +93,9 @@ def engine(demo_gguf: Path):
     ],
 )
 def test_real_model_multibyte_output_streams_cleanly(engine: Engine, chat: bool, prompt: str) -> None:
-    prompt_ids = engine.tokenize_chat([{"role": "user", "content": prompt}]) if chat else engine.tokenize(prompt)
+    prompt_ids = (
+        engine.model.tokenize_chat([{"role": "user", "content": prompt}]) if chat else engine.model.tokenize(prompt)
+    )
     events = list(engine.stream(Request(prompt_ids, max_tokens=40, sampling=SamplingParams(temperature=0.0))))
     pieces = [e for e in events if isinstance(e, Token)]
     ids = [i for p in pieces for i in p.token_ids]

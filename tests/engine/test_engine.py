@@ -53,8 +53,8 @@ def run(engine: Engine, request: Request) -> tuple[list[Event], str, list[int], 
 
 
 def test_event_order_and_counts(engine: Engine) -> None:
-    events, text, ids, end = run(engine, Request(engine.tokenize(STORY), max_tokens=20, sampling=GREEDY))
-    assert isinstance(events[0], Started) and events[0].prompt_tokens == len(engine.tokenize(STORY))
+    events, text, ids, end = run(engine, Request(engine.model.tokenize(STORY), max_tokens=20, sampling=GREEDY))
+    assert isinstance(events[0], Started) and events[0].prompt_tokens == len(engine.model.tokenize(STORY))
     assert all(isinstance(e, Token) for e in events[1:-1])
     assert [e.index for e in events[1:-1]] == list(range(len(events) - 2))
     assert isinstance(end, End) and end.stop_reason is StopReason.MAX_TOKENS
@@ -65,7 +65,7 @@ def test_event_order_and_counts(engine: Engine) -> None:
 
 
 def test_eos_ends_generation_and_is_not_counted(engine: Engine) -> None:
-    prompt = engine.tokenize_chat([{"role": "user", "content": "Say hello."}])
+    prompt = engine.model.tokenize_chat([{"role": "user", "content": "Say hello."}])
     _, text, ids, end = run(engine, Request(prompt, max_tokens=200, sampling=GREEDY))
     assert end.stop_reason is StopReason.EOS
     assert end.tokens_out == len(ids) < 200
@@ -74,7 +74,7 @@ def test_eos_ends_generation_and_is_not_counted(engine: Engine) -> None:
 
 
 def test_stop_string_across_token_boundary(engine: Engine) -> None:
-    _, full_text, full_ids, _ = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY))
+    _, full_text, full_ids, _ = run(engine, Request(engine.model.tokenize(STORY), max_tokens=40, sampling=GREEDY))
     tokenizer = engine.loaded.tokenizer
     # A stop string that starts inside token k-1 and ends inside token k (both long enough), seen nowhere earlier.
     k = next(
@@ -85,7 +85,9 @@ def test_stop_string_across_token_boundary(engine: Engine) -> None:
     boundary = len(tokenizer.decode(full_ids[:k]))
     stop = full_text[boundary - 2 : boundary + 3]
     assert full_text.index(stop) == boundary - 2
-    events, text, ids, end = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(stop,)))
+    events, text, ids, end = run(
+        engine, Request(engine.model.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(stop,))
+    )
     assert end.stop_reason is StopReason.STOP_SEQUENCE and end.stop_sequence == stop
     assert text == full_text[: full_text.index(stop)]
     assert all(stop not in e.text for e in events if isinstance(e, Token))
@@ -94,14 +96,16 @@ def test_stop_string_across_token_boundary(engine: Engine) -> None:
 
 
 def test_earliest_of_several_stop_strings_wins(engine: Engine) -> None:
-    _, full_text, _, _ = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY))
+    _, full_text, _, _ = run(engine, Request(engine.model.tokenize(STORY), max_tokens=40, sampling=GREEDY))
     late, early = full_text[30:36], full_text[12:15]
-    _, text, _, end = run(engine, Request(engine.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(late, early)))
+    _, text, _, end = run(
+        engine, Request(engine.model.tokenize(STORY), max_tokens=40, sampling=GREEDY, stop=(late, early))
+    )
     assert end.stop_sequence == early and text == full_text[: full_text.index(early)]
 
 
 def test_same_seed_same_tokens_and_absent_seed_is_reported(engine: Engine) -> None:
-    prompt = engine.tokenize(STORY)
+    prompt = engine.model.tokenize(STORY)
     _, _, first, end1 = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=1234))
     _, _, second, end2 = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=1234))
     _, _, other, _ = run(engine, Request(prompt, max_tokens=24, sampling=SAMPLED, seed=99))
@@ -114,14 +118,16 @@ def test_same_seed_same_tokens_and_absent_seed_is_reported(engine: Engine) -> No
 
 def test_prompt_beyond_context_is_refused_before_generating(engine: Engine) -> None:
     context = engine.loaded.info.context_length
-    events = list(engine.stream(Request(engine.tokenize(STORY), max_tokens=context)))
+    events = list(engine.stream(Request(engine.model.tokenize(STORY), max_tokens=context)))
     assert len(events) == 1 and isinstance(events[0], Error)
     assert events[0].code is ErrorCode.INVALID_REQUEST and "context" in events[0].message
 
 
 def test_cancel_mid_stream_then_serve_the_next(engine: Engine) -> None:
     events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-    request = Request(engine.tokenize(STORY), max_tokens=2000 if engine.loaded.info.context_length > 2100 else 500)
+    request = Request(
+        engine.model.tokenize(STORY), max_tokens=2000 if engine.loaded.info.context_length > 2100 else 500
+    )
     engine.submit(request, events.put)
     tokens = 0
     while tokens < 3:
@@ -132,12 +138,12 @@ def test_cancel_mid_stream_then_serve_the_next(engine: Engine) -> None:
         pass
     assert isinstance(event, End) and event.stop_reason is StopReason.CANCELLED
     assert time.perf_counter() - cancelled_at < 1.0
-    _, _, _, end = run(engine, Request(engine.tokenize(STORY), max_tokens=5, sampling=GREEDY))
+    _, _, _, end = run(engine, Request(engine.model.tokenize(STORY), max_tokens=5, sampling=GREEDY))
     assert end.stop_reason is StopReason.MAX_TOKENS and engine.in_flight == 0
 
 
 def test_leaving_the_stream_cancels(engine: Engine) -> None:
-    stream = engine.stream(Request(engine.tokenize(STORY), max_tokens=500))
+    stream = engine.stream(Request(engine.model.tokenize(STORY), max_tokens=500))
     for event in stream:
         if isinstance(event, Token):
             break
@@ -161,9 +167,9 @@ def test_seeded_sampled_request_is_the_same_alone_and_among_15_others_when_deter
     )
     try:
         chat = SamplingParams(temperature=0.7, top_p=0.9)
-        request = Request(engine.tokenize(STORY), max_tokens=12, sampling=chat, seed=2**40 + 3)
+        request = Request(engine.model.tokenize(STORY), max_tokens=12, sampling=chat, seed=2**40 + 3)
         others = [
-            Request(engine.tokenize(f"{i} {STORY}"), max_tokens=12, seed=i,
+            Request(engine.model.tokenize(f"{i} {STORY}"), max_tokens=12, seed=i,
                     sampling=SamplingParams(temperature=0.5 + i / 10, top_k=i, repetition_penalty=1 + i / 100))
             for i in range(15)
         ]  # fmt: skip
@@ -186,7 +192,7 @@ def test_concurrent_requests_interleave_and_match_their_solo_runs(demo_gguf: Pat
 
 def check_interleaving(engine: Engine) -> None:
     prompts = [STORY, "The three primary colors are", "def add(a, b):\n"]
-    requests = [Request(engine.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
+    requests = [Request(engine.model.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
     solo = [run(engine, r)[2] for r in requests]
     results: dict[int, list[int]] = {}
     order: list[int] = []  # which request each streamed token belonged to, in arrival order
@@ -215,7 +221,7 @@ def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) ->
     engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "float32")), engine_config())
     try:
         prompts = [STORY, "The three primary colors are", "def add(a, b):\n"]
-        requests = [Request(engine.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
+        requests = [Request(engine.model.tokenize(p), max_tokens=16, sampling=GREEDY) for p in prompts]
         solo = [run(engine, r)[2] for r in requests]
         rows: list[int] = []
         prefilling = threading.Event()
@@ -228,7 +234,7 @@ def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) ->
             return forward(prompt_rows)
 
         runner._prompt_forward = spy  # type: ignore[method-assign]
-        long_prompt = engine.tokenize(STORY * 40)[:500]  # one forward of about a second here
+        long_prompt = engine.model.tokenize(STORY * 40)[:500]  # one forward of about a second here
         blocker = queue.SimpleQueue()
         engine.submit(Request(long_prompt, max_tokens=1, sampling=GREEDY), blocker.put)
         assert prefilling.wait(timeout=60)
@@ -241,11 +247,11 @@ def test_prompts_admitted_together_share_one_prefill_forward(demo_gguf: Path) ->
 
 def test_same_request_id_twice_is_refused(engine: Engine) -> None:
     first: queue.SimpleQueue[Event] = queue.SimpleQueue()
-    request = Request(engine.tokenize(STORY), max_tokens=200, request_id="job-1")
+    request = Request(engine.model.tokenize(STORY), max_tokens=200, request_id="job-1")
     engine.submit(request, first.put)
     assert isinstance(first.get(timeout=30), Started)
     with pytest.raises(DuplicateRequest, match="already running"):
-        engine.submit(Request(engine.tokenize(STORY), max_tokens=5, request_id="job-1"), first.put)
+        engine.submit(Request(engine.model.tokenize(STORY), max_tokens=5, request_id="job-1"), first.put)
     engine.cancel("job-1")
     while not isinstance(first.get(timeout=5), End | Error):
         pass
@@ -260,7 +266,7 @@ def test_slots_then_queue_then_busy(demo_gguf: Path, runtime: str) -> None:
         engine_config(max_batch=2, max_queue=1),
     )
     try:
-        prompt = engine.tokenize(STORY)
+        prompt = engine.model.tokenize(STORY)
         streams = [queue.SimpleQueue() for _ in range(3)]
         for i, events in enumerate(streams):
             engine.submit(
@@ -291,7 +297,7 @@ def test_progress_clock_counts_a_long_step_and_stops_when_idle(engine: Engine) -
     """The stall clock (behind /health's "unhealthy") grows during one long forward and is 0 without work."""
     assert engine.seconds_without_progress() == 0.0
     events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-    engine.submit(Request(engine.tokenize(STORY * 30), max_tokens=3), events.put)  # a prefill of ~400 tokens
+    engine.submit(Request(engine.model.tokenize(STORY * 30), max_tokens=3), events.put)  # a prefill of ~400 tokens
     longest = 0.0
     while events.empty() or not isinstance(events.get(), End | Error):
         longest = max(longest, engine.seconds_without_progress())
@@ -301,20 +307,20 @@ def test_progress_clock_counts_a_long_step_and_stops_when_idle(engine: Engine) -
 
 
 def test_seed_out_of_range_is_an_invalid_request(engine: Engine) -> None:
-    events = list(engine.stream(Request(engine.tokenize(STORY), max_tokens=5, seed=2**64)))
+    events = list(engine.stream(Request(engine.model.tokenize(STORY), max_tokens=5, seed=2**64)))
     assert len(events) == 1 and isinstance(events[0], Error) and events[0].code is ErrorCode.INVALID_REQUEST
 
 
 def test_closed_engine_refuses_new_requests(demo_gguf: Path) -> None:
     engine = Engine(lambda: load_model(str(demo_gguf), resolve_placement("cpu", "auto")), engine_config())
-    prompt = engine.tokenize(STORY)
+    prompt = engine.model.tokenize(STORY)
     engine.close()
     events = list(engine.stream(Request(prompt, max_tokens=5)))
     assert len(events) == 1 and isinstance(events[0], Error) and "shut down" in events[0].message
 
 
 def test_async_stream_matches_the_blocking_one_and_leaving_cancels(engine: Engine) -> None:
-    request = Request(engine.tokenize(STORY), max_tokens=12, sampling=GREEDY)
+    request = Request(engine.model.tokenize(STORY), max_tokens=12, sampling=GREEDY)
     _, expected_text, expected_ids, _ = run(engine, request)
 
     async def consume() -> tuple[str, list[int], Event]:
@@ -326,7 +332,7 @@ def test_async_stream_matches_the_blocking_one_and_leaving_cancels(engine: Engin
     assert (text, ids) == (expected_text, expected_ids) and isinstance(end, End)
 
     async def leave_after_first_token() -> None:
-        stream = engine.astream(Request(engine.tokenize(STORY), max_tokens=500))
+        stream = engine.astream(Request(engine.model.tokenize(STORY), max_tokens=500))
         async for event in stream:
             if isinstance(event, Token):
                 break

@@ -72,7 +72,7 @@ def make_engine(demo_gguf: Path, **config: object) -> Engine:
 
 
 def ask(engine: Engine, question: str, sampling: SamplingParams = SAMPLED, max_tokens: int = 16) -> Request:
-    return Request(engine.tokenize(SYSTEM + question), max_tokens=max_tokens, sampling=sampling, seed=2**63 + 5)
+    return Request(engine.model.tokenize(SYSTEM + question), max_tokens=max_tokens, sampling=sampling, seed=2**63 + 5)
 
 
 def run(engine: Engine, request: Request) -> tuple[list[int], End]:

@@ -48,7 +48,7 @@ def test_greedy_tokens_equal_llama_cpp_pythons_own_greedy_generation(engine: Eng
     tokens of llama-cpp-python's own generate at temperature 0, fed the same ids."""
     eos = engine.loaded.info.eos_token_ids
     for prompt in PROMPTS:
-        ids = list(engine.tokenize(prompt))
+        ids = list(engine.model.tokenize(prompt))
         ours, _ = greedy(engine, ids, GREEDY_TOKENS)
         theirs: list[int] = []
         for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -63,9 +63,9 @@ def test_token_ids_fed_equal_llama_cpps_own_tokenizer(engine: Engine, llm) -> No
     chat rendered by the template, special tokens included."""
     texts = [*PROMPTS, "  leading spaces, digits 12345 and\nnewlines\t\ttabs", "日本語とemoji 🐝🍯"]
     for text in texts:
-        assert list(engine.tokenize(text)) == llm.tokenize(text.encode(), add_bos=True, special=False), text
-    chat = engine.chat_prompt(CHAT)
-    assert list(engine.tokenize_chat(CHAT)) == llm.tokenize(chat.encode(), add_bos=False, special=True)
+        assert list(engine.model.tokenize(text)) == llm.tokenize(text.encode(), add_bos=True, special=False), text
+    chat = engine.model.chat_prompt(CHAT)
+    assert list(engine.model.tokenize_chat(CHAT)) == llm.tokenize(chat.encode(), add_bos=False, special=True)
 
 
 def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> None:
@@ -83,7 +83,7 @@ def test_memory_is_llama_cpps_own_figures(engine: Engine, demo_gguf: Path) -> No
     head_dim = meta["llama.embedding_length"] // meta["llama.attention.head_count"]
     assert kv.bytes_per_token == meta["llama.block_count"] * meta["llama.attention.head_count_kv"] * head_dim * 4
     saved = runner.prompts.bytes
-    _, end = greedy(engine, engine.tokenize(" ".join(PROMPTS)), 20)  # its sequence's state is saved when it ends
+    _, end = greedy(engine, engine.model.tokenize(" ".join(PROMPTS)), 20)  # its sequence's state is saved when it ends
     cells = end.prompt_tokens + end.tokens_out - 1
     assert end.kv_cache_bytes == cells * kv.bytes_per_token
     state = runner.prompts.bytes - saved
@@ -96,7 +96,7 @@ def test_one_llama_decode_per_step_with_prompts_joining_running_decodes(
     """Requests that arrive while others decode have their prompts fed in the same llama_decode as the running
     requests' next tokens (no step of prompts alone in between), one llama_decode per step; each still gets its
     solo tokens."""
-    prompts = [engine.tokenize(p) for p in PROMPTS]
+    prompts = [engine.model.tokenize(p) for p in PROMPTS]
     solo = [greedy(engine, ids, 16)[0] for ids in prompts]
     steps: list[tuple[int, int]] = []  # (prompt rows, decode rows) of each step
     decodes = 0
@@ -129,7 +129,7 @@ def test_invalid_token_ids_fail_the_request_not_the_engine(engine: Engine) -> No
     the engine serves the next one."""
     events = list(engine.stream(Request((1, 10**7), max_tokens=4, sampling=GREEDY)))
     assert events[-1].code.value == "INFERENCE_FAILED" and "llama_decode" in events[-1].message
-    tokens, end = greedy(engine, engine.tokenize(PROMPTS[0]), 4)
+    tokens, end = greedy(engine, engine.model.tokenize(PROMPTS[0]), 4)
     assert len(tokens) == end.tokens_out == 4
 
 
@@ -138,8 +138,8 @@ def test_prompt_logprobs_are_llama_cpps_own_logits(engine: Engine, demo_gguf: Pa
     are the log-softmax of llama-cpp-python's own logits over the prompt (logits_all), within 1e-4."""
     import numpy as np
 
-    prompt = engine.tokenize(" ".join(PROMPTS))
-    beside = Request(engine.tokenize(PROMPTS[0]), max_tokens=8, sampling=GREEDY)
+    prompt = engine.model.tokenize(" ".join(PROMPTS))
+    beside = Request(engine.model.tokenize(PROMPTS[0]), max_tokens=8, sampling=GREEDY)
     events: queue.SimpleQueue = queue.SimpleQueue()
     engine.submit(beside, lambda event: None)
     engine.submit(Request(prompt, max_tokens=0, prompt_logprobs=0), events.put)
@@ -168,7 +168,7 @@ def test_cache_ram_bounds_the_prompt_cache_and_0_turns_it_off(demo_gguf: Path) -
             engine_config(max_batch=2, threads=2, prompt_cache_bytes=budget),
         )
         try:
-            prompt = engine.tokenize(" ".join(PROMPTS) * 8)  # past the 64 tokens a cache hit leaves to compute
+            prompt = engine.model.tokenize(" ".join(PROMPTS) * 8)  # past the 64 tokens a cache hit leaves to compute
             _, first = greedy(engine, prompt, 4)
             _, again = greedy(engine, prompt, 4)
             if budget is None:
@@ -189,10 +189,10 @@ def test_embeddings_are_llama_cpps_own_beside_a_generation(engine: Engine, demo_
     from rbee_worker.engine.request_types import Embedding
 
     texts = [*PROMPTS, "Hi"]
-    ask = Request(engine.tokenize(PROMPTS[1]), max_tokens=12, sampling=GREEDY)
+    ask = Request(engine.model.tokenize(PROMPTS[1]), max_tokens=12, sampling=GREEDY)
     solo, _ = greedy(engine, ask.prompt_ids, 12)
     streams = [queue.SimpleQueue() for _ in range(len(texts) + 1)]
-    requests = [*(Request(engine.tokenize(t), max_tokens=0, embed=True) for t in texts), ask]
+    requests = [*(Request(engine.model.tokenize(t), max_tokens=0, embed=True) for t in texts), ask]
     for request, events in zip(requests, streams, strict=True):
         engine.submit(request, events.put)
     vectors = []

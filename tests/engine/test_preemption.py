@@ -85,7 +85,7 @@ def test_requests_preempted_by_a_full_pool_read_their_tokens_again_and_match_the
     blocks: the newer ones are preempted and recompute their prompt and output later, and every request ends (no
     error) with exactly the tokens of its solo run: none lost, none repeated."""
     engine = small_pool
-    prompts = [engine.tokenize(f"{text}. {text.lower()}, and so on. " * 5)[:96] for text in OPENINGS]
+    prompts = [engine.model.tokenize(f"{text}. {text.lower()}, and so on. " * 5)[:96] for text in OPENINGS]
     assert all(len(p) == 96 for p in prompts) and len({p[:BLOCK] for p in prompts}) == len(prompts)
     requests = [Request(p, max_tokens=24, sampling=GREEDY, ignore_eos=True) for p in prompts]
     solo = [run(engine, r)[0] for r in requests]
@@ -102,8 +102,10 @@ def test_a_cached_prefix_gives_the_tokens_that_computing_it_would(small_pool: En
     cache (End.cached_tokens: whole blocks, never the whole prompt) and gives the same greedy tokens; another question
     after the same system prompt finds the shared blocks and gives the tokens of an engine without prefix caching,
     which reports no cached tokens."""
-    first = Request(small_pool.tokenize(SYSTEM + "Question: why is the sea salty?"), max_tokens=12, sampling=GREEDY)
-    second = Request(small_pool.tokenize(SYSTEM + "Question: how do tides work?"), max_tokens=12, sampling=GREEDY)
+    first = Request(
+        small_pool.model.tokenize(SYSTEM + "Question: why is the sea salty?"), max_tokens=12, sampling=GREEDY
+    )
+    second = Request(small_pool.model.tokenize(SYSTEM + "Question: how do tides work?"), max_tokens=12, sampling=GREEDY)
     shared = next(i for i, (a, b) in enumerate(zip(first.prompt_ids, second.prompt_ids, strict=False)) if a != b)
     assert shared >= 2 * BLOCK
     reference = [run(uncached, r) for r in (first, second, first)]
@@ -135,7 +137,7 @@ def test_prompt_logprobs_are_transformers_own_among_preempted_requests_and_skip_
 
     engine = small_pool
     sizes = (96, 90, 84, 78)
-    prompts = [engine.tokenize(f"{text}. {text.lower()}, and so on. " * 5)[:size] for text, size in
+    prompts = [engine.model.tokenize(f"{text}. {text.lower()}, and so on. " * 5)[:size] for text, size in
                zip(OPENINGS, sizes, strict=True)]  # fmt: skip
     solo = [run(engine, Request(p, max_tokens=24, sampling=GREEDY, ignore_eos=True))[0] for p in prompts]
     preempted = engine.preemptions

@@ -107,9 +107,9 @@ def chat_requests(engine: Engine) -> list[Request]:
     """The questions after one system prompt, whose length makes every prompt PROMPT_TOKENS tokens long."""
 
     def prompt(system_tokens: int, question: str) -> tuple[int, ...]:
-        system = engine.loaded.tokenizer.decode(engine.tokenize(" ".join([TEXT] * 30), False)[:system_tokens])
+        system = engine.loaded.tokenizer.decode(engine.model.tokenize(" ".join([TEXT] * 30), False)[:system_tokens])
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        return engine.tokenize_chat(messages)
+        return engine.model.tokenize_chat(messages)
 
     overhead = len(prompt(100, QUESTIONS[0])) - 100
     prompts = [prompt(PROMPT_TOKENS - overhead, q) for q in QUESTIONS]

@@ -41,11 +41,11 @@ def hf_engine(demo_hf_dir: Path):
 
 
 def greedy_ids(engine: Engine, prompt: str) -> tuple[list[int], End]:
-    return greedy(engine, engine.tokenize(prompt), NEW_TOKENS)
+    return greedy(engine, engine.model.tokenize(prompt), NEW_TOKENS)
 
 
 def reference_ids(reference, engine: Engine, prompt: str) -> list[int]:
-    prompt_ids = torch.tensor([engine.tokenize(prompt)])
+    prompt_ids = torch.tensor([engine.model.tokenize(prompt)])
     with torch.inference_mode():
         output = reference.generate(prompt_ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[2])
     generated = output[0, prompt_ids.shape[1] :].tolist()
@@ -66,7 +66,7 @@ def test_greedy_matches_transformers_generate(reference, gguf_engine: Engine, hf
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_last_position_logits_match(reference, gguf_engine: Engine, prompt: str) -> None:
     """Our GGUF loader's model gives the reference's logits (weights dequantized by transformers' own path)."""
-    ids = torch.tensor([gguf_engine.tokenize(prompt) + tuple(greedy_ids(gguf_engine, prompt)[0])])
+    ids = torch.tensor([gguf_engine.model.tokenize(prompt) + tuple(greedy_ids(gguf_engine, prompt)[0])])
     with torch.inference_mode():
         expected = reference(ids).logits[0, -1]
         ours = gguf_engine.loaded.model(ids).logits[0, -1]

@@ -411,7 +411,7 @@ def test_text_held_back_for_a_stop_string_comes_out_when_the_request_ends(loaded
         assert isinstance(events[-1], End) and events[-1].stop_reason is StopReason.MAX_TOKENS
         assert token_ids(events) == tokens
         pieces = [e for e in events if isinstance(e, Token)]
-        assert "".join(e.text for e in pieces) == engine.detokenize(tuple(tokens))
+        assert "".join(e.text for e in pieces) == engine.model.detokenize(tuple(tokens))
         assert pieces[-1].token_ids == () and pieces[-1].text  # the held text, released at the end
     finally:
         engine.close()
@@ -538,7 +538,7 @@ def test_a_constrained_row_draws_under_the_mask_of_all_its_tokens_while_steps_ru
     collected (chained rows), with the sampling held until the masks are filled, and every request gets its own
     tokens."""
     engine, runner = start(loaded, kind)
-    engine.grammars.matcher = lambda *args: FakeMatcher()  # type: ignore[method-assign]
+    engine.model.grammars.matcher = lambda *args: FakeMatcher()  # type: ignore[method-assign]
     try:
         batch = requests(3)
         batch = [

@@ -122,11 +122,11 @@ def test_a_bfloat16_directory_generates_in_every_dtype_and_quantize_mode(
     placement = resolve_placement("cpu", dtype)
     engine = Engine(lambda: load_model(str(demo_hf_bf16_dir), placement, quantize=quantize), engine_config())
     try:
-        ids, end = greedy(engine, engine.tokenize(PROMPT), 8)
+        ids, end = greedy(engine, engine.model.tokenize(PROMPT), 8)
         model = engine.loaded.model
     finally:
         engine.close()
-    assert end.tokens_out == 8 and "Paris" in engine.detokenize(tuple(ids))
+    assert end.tokens_out == 8 and "Paris" in engine.model.detokenize(tuple(ids))
     kinds = {type(m) for m in model.modules()}
     assert (PackedLinear in kinds) == cpu_features().onednn_runs(placement.dtype)
     assert (Int8Linear in kinds) == (quantize == "int8") and (Int4Linear in kinds) == (quantize == "int4")

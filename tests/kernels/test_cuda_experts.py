@@ -46,7 +46,7 @@ def test_experts_on_cuda_graphs_give_the_cpu_float32_tokens(
     engines = [Engine(lambda d=d: load_model(str(directory), Placement(d, torch.float32)), config) for d in (CPU, CUDA)]
     try:
         assert engines[1].loaded.model.config._experts_implementation == "rbee_fused"
-        prompts = [engines[0].tokenize(p) for p in PROMPTS]
+        prompts = [engines[0].model.tokenize(p) for p in PROMPTS]
         expected = [greedy(engines[0], ids, 40)[0] for ids in prompts]
         assert [greedy(engines[1], ids, 40)[0] for ids in prompts] == expected
         requests = [Request(ids, max_tokens=40, sampling=GREEDY) for ids in prompts * 2]
@@ -92,7 +92,7 @@ def test_quantized_experts_decode_with_graphs_as_eagerly(mode: str, tmp_path: Pa
             experts = [m for m in model.modules() if getattr(m, "quantized_experts", None) == mode]
             assert len(experts) == 2 and not any(hasattr(m, "gate_up_proj") for m in experts)
             assert info.weight_bytes < plain.weight_bytes and info.active_weight_bytes < plain.active_weight_bytes
-            prompts = [engine.tokenize(p) for p in PROMPTS]
+            prompts = [engine.model.tokenize(p) for p in PROMPTS]
             results.append([greedy(engine, ids, 40)[0] for ids in prompts])
             if not graphs:
                 agree_but_near_ties(engine, prompts, *results, mode)

@@ -143,7 +143,9 @@ def test_a_gguf_file_transformers_reads_gives_its_tokens(
     )
     try:
         assert engine.loaded.info.architecture == model_type and engine.loaded.info.format == "gguf"
-        prompts = [engine.tokenize(text) for text in ("Once upon a time, in a small village by the sea,", "def f(n):")]
+        prompts = [
+            engine.model.tokenize(text) for text in ("Once upon a time, in a small village by the sea,", "def f(n):")
+        ]
         expected = [reference(from_file, list(ids)) for ids in prompts]
         assert expected == [reference(original, list(ids)) for ids in prompts]
         if "sliding_window" in overrides:
@@ -225,7 +227,7 @@ def test_on_the_llama_cpp_runtime_a_file_gives_llama_cpp_pythons_tokens(
     )
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False, flash_attn=True)
     try:
-        ids = list(engine.tokenize("Once upon a time, in a small village by the sea,"))
+        ids = list(engine.model.tokenize("Once upon a time, in a small village by the sea,"))
         ours, _ = greedy(engine, ids, NEW_TOKENS)
         theirs: list[int] = []
         for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):

@@ -90,7 +90,7 @@ async def compile_grammar(state: WorkerState, spec: GrammarSpec) -> CompiledGram
     `ensure_open` raises (a loading engine cannot compile yet)."""
     ensure_open(state)
     # Shielded: a client that leaves must not cancel a compilation that the cache hands to later requests too.
-    return await asyncio.shield(asyncio.wrap_future(state.engine.grammars.compile(spec)))
+    return await asyncio.shield(asyncio.wrap_future(state.engine.model.grammars.compile(spec)))
 
 
 async def off_loop(state: WorkerState, work: Callable[[], T]) -> T:

@@ -97,10 +97,10 @@ def embedding_request(state: WorkerState, prompt: str | list[int], http_request:
         ids = check_token_ids(state, prompt, "input")
     else:
         check_fits(state, prompt, 0, "input")
-        ids = state.engine.tokenize(prompt)
+        ids = state.engine.model.tokenize(prompt)
     if not ids:
         raise ApiError(400, "input: an input is empty", param="input")
-    if len(ids) > (context := state.engine.context_length):
+    if len(ids) > (context := state.engine.model.context_length):
         raise context_exceeded(context, f"{len(ids)} in the input", "input")
     return EngineRequest(
         prompt_ids=ids,

@@ -203,7 +203,7 @@ class EngineGauges(Collector):
             name,
             engine.preemptions,
         )
-        grammars = engine.grammars.stats if engine.is_loaded else GrammarStats()
+        grammars = engine.model.grammars.stats if engine.is_loaded else GrammarStats()
         yield counter("rbee:grammar_compilations", "Grammars compiled (structured output)", name, grammars.compilations)
         yield counter(
             "rbee:grammar_compile_seconds", "Seconds spent compiling grammars", name, grammars.compile_seconds

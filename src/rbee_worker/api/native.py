@@ -228,14 +228,17 @@ async def admit_job(state: WorkerState, http_request: Request, *, require_job_id
 
     def count_tokens(prompt: str) -> int:
         nonlocal prompt_ids
-        prompt_ids = state.engine.tokenize(prompt)
+        prompt_ids = state.engine.model.tokenize(prompt)
         return len(prompt_ids)
 
     ensure_open(state)  # validation tokenizes with the loaded model's tokenizer, off the event loop
     parsed = await off_loop(
         state,
         lambda: parse_job_request(
-            body, require_job_id=require_job_id, count_tokens=count_tokens, context_length=state.engine.context_length
+            body,
+            require_job_id=require_job_id,
+            count_tokens=count_tokens,
+            context_length=state.engine.model.context_length,
         ),
     )
     if not isinstance(parsed, JobRequest):

@@ -4,11 +4,11 @@
 Bodies are validated by the pydantic models of openai_schema.py; every error has OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: routes raise ApiError or a refusal of api/admission.py, and
 `openai_error` answers both (the validation handler in server/worker.py answers invalid bodies). A `response_format`
-grammar is compiled before the job is submitted (awaited, off the event loop: see Engine.grammars), so a schema that
-does not compile is a 400 naming `response_format` before any work. Chat templates are rendered and prompts tokenized
-off the event loop too (admission.off_loop), and a prompt text too long for the context whatever its tokens is refused
-before it is tokenized (`check_fits`). A response's choices (`n`, `best_of`, batched prompts) are collected or streamed
-by api/choices.py and written as OpenAI's JSON by api/openai_format.py.
+grammar is compiled before the job is submitted (awaited, off the event loop: see ServedModel.grammars), so a schema
+that does not compile is a 400 naming `response_format` before any work. Chat templates are rendered and prompts
+tokenized off the event loop too (admission.off_loop), and a prompt text too long for the context whatever its tokens is
+refused before it is tokenized (`check_fits`). A response's choices (`n`, `best_of`, batched prompts) are collected or
+streamed by api/choices.py and written as OpenAI's JSON by api/openai_format.py.
 """
 
 import dataclasses
@@ -86,7 +86,7 @@ def openai_router(state: WorkerState) -> APIRouter:
     )
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=state.started_at, max_model_len=state.engine.context_length)
+        return ModelCard(id=name, created=state.started_at, max_model_len=state.engine.model.context_length)
 
     @router.get("/v1/models", response_model=ModelList, responses={**UNAUTHORIZED, 503: ERRORS[503]})
     async def models() -> ModelList:
@@ -129,7 +129,7 @@ def openai_router(state: WorkerState) -> APIRouter:
             check_capacity(state, body.samples * len(body.prompts), "n" if body.samples > 1 else "prompt")
             prompts.extend(completion_prompt(state, prompt, body.max_tokens) for prompt in body.prompts)
             if body.echo:
-                echoes.extend(p if isinstance(p, str) else state.engine.detokenize(ids)
+                echoes.extend(p if isinstance(p, str) else state.engine.model.detokenize(ids)
                               for p, ids in zip(body.prompts, prompts, strict=True))  # fmt: skip
             return [
                 dataclasses.replace(
@@ -191,7 +191,7 @@ def openai_router(state: WorkerState) -> APIRouter:
         started = await start_chat(state, body, http_request, "chatcmpl")
         jobs, outputs = started.jobs, started.outputs
         base = {"id": http_request.state.job_id, "created": int(time.time()), "model": state.model_name}
-        reasoning = state.engine.reasoning
+        reasoning = state.engine.model.reasoning
 
         def usage_of(ends: list[End]) -> dict:
             return usage(ends, body.n, None if reasoning is None else sum(o.reasoning_tokens for o in outputs))
@@ -263,17 +263,17 @@ def openai_router(state: WorkerState) -> APIRouter:
                 messages = [m.for_template() for m in body.messages]
                 return render_chat(state, messages, body.add_generation_prompt, max_tokens=0)
             check_fits(state, body.prompt or "", 0, "prompt")
-            return state.engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            return state.engine.model.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
 
         ids = await off_loop(state, tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=state.engine.context_length, tokens=list(ids))
+        return TokenizeResponse(count=len(ids), max_model_len=state.engine.model.context_length, tokens=list(ids))
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ensure_open(state)
         check_model(state, body.model)
         ids = check_token_ids(state, body.tokens, "tokens", allow_empty=True)
-        return DetokenizeResponse(prompt=await off_loop(state, lambda: state.engine.detokenize(ids)))
+        return DetokenizeResponse(prompt=await off_loop(state, lambda: state.engine.model.detokenize(ids)))
 
     return router
 

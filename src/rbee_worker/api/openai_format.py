@@ -44,7 +44,7 @@ def floor(logprob: float) -> float:
 
 def chat_logprob(state: WorkerState, lp: TokenLogprob) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        text = state.engine.token_text(token_id)
+        text = state.engine.model.token_text(token_id)
         return {"token": text, "logprob": floor(logprob), "bytes": list(text.encode())}
 
     return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
@@ -53,7 +53,7 @@ def chat_logprob(state: WorkerState, lp: TokenLogprob) -> dict:
 def completion_logprobs(state: WorkerState, logprobs: Sequence[TokenLogprob], offset: int) -> dict:
     """The legacy completions format: parallel lists, one entry per token; `offset`: where the first token's text
     starts in the choice's text."""
-    text_of = state.engine.token_text
+    text_of = state.engine.model.token_text
     tokens = [text_of(lp.token_id) for lp in logprobs]
     return {
         "tokens": tokens,
@@ -66,7 +66,7 @@ def completion_logprobs(state: WorkerState, logprobs: Sequence[TokenLogprob], of
 def echo_logprobs(state: WorkerState, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob], top: int) -> dict:
     """An echoed prompt's part of the legacy completions format: its first token has no logprob (null, as OpenAI's);
     each other token its logprob given the tokens before it, with the `top` most likely there."""
-    text_of = state.engine.token_text
+    text_of = state.engine.model.token_text
     tokens = [text_of(token_id) for token_id in prompt_ids]
     return {
         "tokens": tokens,
@@ -93,7 +93,7 @@ def offsets(tokens: list[str], start: int) -> list[int]:
 def prompt_logprobs_json(state: WorkerState, scored: Sequence[TokenLogprob], top: int) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: null for the first token, then for each token a map from token id to its logprob,
     rank and text: the prompt's token and the `top` most likely there."""
-    text_of = state.engine.token_text
+    text_of = state.engine.model.token_text
 
     def entry(logprob: float, rank: int | None, token_id: int) -> dict:
         return {"logprob": floor(logprob), "rank": rank, "decoded_token": text_of(token_id)}

@@ -55,14 +55,14 @@ async def start_chat(state: WorkerState, body: ChatCompletionRequest, http_reque
         return [
             dataclasses.replace(
                 engine_request(state, body, prompt_ids, body.token_limit, top, http_request, prefix, grammar, sample),
-                reasoning=state.engine.reasoning,
+                reasoning=state.engine.model.reasoning,
                 prompt_logprobs=body.prompt_logprobs,
             )
             for sample in range(body.n)
         ]
 
     jobs = [job.events for job in await admit_all(state, build, http_request)]
-    reasoning = state.engine.reasoning  # admitted: the engine is loaded
+    reasoning = state.engine.model.reasoning  # admitted: the engine is loaded
     tool_format = state.engine.loaded.tool_format
     outputs = [
         ChatOutput(
@@ -103,11 +103,11 @@ def completion_prompt(state: WorkerState, prompt: str | list[int], max_tokens: i
     if isinstance(prompt, list):
         return check_token_ids(state, prompt, "prompt")
     check_fits(state, prompt, max_tokens or 1, "prompt")
-    return state.engine.tokenize(prompt)
+    return state.engine.model.tokenize(prompt)
 
 
 def check_token_ids(state: WorkerState, ids: list[int], param: str, *, allow_empty: bool = False) -> tuple[int, ...]:
-    vocab = state.engine.vocab_size
+    vocab = state.engine.model.vocab_size
     if not ids and not allow_empty:
         raise ApiError(400, f"{param} must not be empty", param=param)
     if bad := [i for i in ids if not 0 <= i < vocab]:
@@ -150,11 +150,11 @@ def check_fits(state: WorkerState, text: str, room: int, param: str) -> None:
     """Refuse, before tokenizing it, a prompt text too long to leave `room` tokens of the context whatever its tokens
     are (loading/prompt_bound.py): a megabyte prompt is refused at once instead of after seconds of tokenizing."""
     bound = state.engine.loaded.prompt_bound
-    if bound is None or (least := bound.least_tokens(text)) + room <= state.engine.context_length:
+    if bound is None or (least := bound.least_tokens(text)) + room <= state.engine.model.context_length:
         return
     asked = f"at least {least} in the prompt" + (f" + {room} to generate" if room > 1 else "")
     asked += f": the prompt has {bound.size(text)} {bound.unit}, and no token stands for more than {bound.per_token}"
-    raise context_exceeded(state.engine.context_length, asked, param)
+    raise context_exceeded(state.engine.model.context_length, asked, param)
 
 
 def context_exceeded(context: int, asked: str, param: str) -> ApiError:
@@ -179,7 +179,7 @@ def engine_request(
 ) -> EngineRequest:
     """The engine request of one choice; `sample`: its place among its prompt's choices, which offsets a given seed
     (each choice draws on its own, and the first one's draws are those of a request for one choice)."""
-    context = state.engine.context_length
+    context = state.engine.model.context_length
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     check_token_ids(state, [token for token, _ in body.logit_bias or ()], "logit_bias", allow_empty=True)

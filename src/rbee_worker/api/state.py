@@ -50,7 +50,7 @@ class WorkerState:
             return self.config.max_request_bytes
         if not self.engine.is_loaded:
             return None
-        return request_bytes_limit(self.engine.loaded.prompt_bound, self.engine.context_length)
+        return request_bytes_limit(self.engine.loaded.prompt_bound, self.engine.model.context_length)
 
     @property
     def model_ref(self) -> str:

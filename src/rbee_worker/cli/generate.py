@@ -102,6 +102,6 @@ def report(as_json: bool, end: End, text: str, token_ids: list[int], engine: Eng
     print(
         f"[{end.stop_reason.value}] {end.prompt_tokens} prompt tokens, {end.tokens_out} generated, {rate:.1f} tok/s, "
         f"seed {end.seed}; memory: {engine.loaded.info.weight_bytes / 2**20:.0f} MiB weights + "
-        f"{engine.kv_cache_bytes() / 2**20:.1f} MiB KV cache (a context of {engine.context_length} tokens)",
+        f"{engine.kv_cache_bytes() / 2**20:.1f} MiB KV cache (a context of {engine.model.context_length} tokens)",
         file=sys.stderr,
     )

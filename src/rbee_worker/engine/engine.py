@@ -18,24 +18,22 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
-from rbee_worker.chat.reasoning import ReasoningFormat, detect_reasoning
 from rbee_worker.engine.core import EngineCore, make_runner
-from rbee_worker.engine.detokenizer import Detokenizer, token_texts
+from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.mailbox import EventStream, LoopMailbox
 from rbee_worker.engine.output_processor import Ended, EngineObserver, log_finished, send
 from rbee_worker.engine.plan import Output, Sequence, Sink
-from rbee_worker.engine.request_checks import RequestError, check_request
+from rbee_worker.engine.request_checks import RequestError
 from rbee_worker.engine.request_types import End, Error, ErrorCode, Event, Request
 from rbee_worker.engine.runners.protocol import DeviceFault, Runner
 from rbee_worker.engine.sampling.sampler import check_seed
 from rbee_worker.engine.sampling.sampling_params import random_seed
 from rbee_worker.engine.scheduling.scheduler import Proposer
-from rbee_worker.engine.structured.grammar import Grammars
+from rbee_worker.engine.served_model import ServedModel
 from rbee_worker.loading.loaded import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -80,8 +78,6 @@ class Engine:
         self._observer = observer
         self._load, self._make_runner, self._proposer = load, runner, proposer
         self._loaded: LoadedModel | None = None
-        self._token_texts: dict[int, str] = {}
-        self._vocab_size = 0
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
@@ -91,9 +87,7 @@ class Engine:
         self._last_progress = time.monotonic()  # the end of the latest step (or of the latest idle wait)
         self._runner: Runner | None = None
         self._core: EngineCore | None = None
-        self._grammars: Grammars | None = None  # made at the first use (`grammars`)
-        self._grammars_lock = threading.Lock()
-        self._reasoning: ReasoningFormat | None = None  # detected at load (`reasoning`)
+        self._model: ServedModel | None = None  # made at load (`model`)
         self._fault: str | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rbee-engine", daemon=True)
@@ -128,78 +122,13 @@ class Engine:
 
     # -- the caller's side (any thread) ------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
-        """LoadedModel.tokenize, once the model is loaded."""
-        return self.loaded.tokenize(text, add_special_tokens)
-
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """LoadedModel.chat_prompt, once the model is loaded."""
-        return self.loaded.chat_prompt(messages, add_generation_prompt)
-
-    def tokenize_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[int, ...]:
-        """LoadedModel.tokenize_chat, once the model is loaded."""
-        return self.loaded.tokenize_chat(messages, add_generation_prompt, tools, template_kwargs)
-
-    def detokenize(self, token_ids: tuple[int, ...]) -> str:
-        return self.loaded.tokenizer.decode(token_ids)
-
-    def token_text(self, token_id: int) -> str:
-        """One token's own text (a partial UTF-8 character decodes to U+FFFD): the tokenizer's whole vocabulary is
-        decoded at load, an id beyond it once when first asked for. Logprobs ask for six tokens' texts per generated
-        token (the chosen one and the top five), a tokenizer call each otherwise."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.loaded.tokenizer.decode([token_id])
-        return text
-
     @property
-    def vocab_size(self) -> int:
-        """The tokenizer's vocabulary, added tokens included, counted at load: len() of a fast tokenizer asks the Rust
-        tokenizer to count it at every call, a cost that some tokenizers builds make a large part of a request's host
-        time."""
+    def model(self) -> ServedModel:
+        """What callers ask of the loaded model (tokenizer, chat template, limits, grammars), once it is loaded
+        (blocks until then); raises what loading raised."""
         self.loaded  # noqa: B018 -- waits for the load
-        return self._vocab_size
-
-    @property
-    def context_length(self) -> int:
-        """The most tokens (prompt + generated) one request may hold: the model's context (or --max-context), or
-        less where the whole KV block pool holds less (rows.kv_pool)."""
-        self.loaded  # noqa: B018 -- waits for the load (and the cache) like every caller-side method
-        assert self._runner is not None
-        return self._runner.kv.context
-
-    def validate(self, request: Request) -> None:
-        """Raise RequestError for a request that cannot run on this model (engine/request_checks.py)."""
-        check_request(request, self.loaded, self.context_length, self.vocab_size)
-
-    @property
-    def reasoning(self) -> ReasoningFormat | None:
-        """The model's reasoning format (chat/reasoning.py), detected at load from its chat template (--chat-template's
-        where given); None for a model that does not reason, or with reasoning_parser "none"."""
-        self.loaded  # noqa: B018 -- waits for the load
-        return self._reasoning
-
-    @property
-    def grammars(self) -> Grammars:
-        """Compiles Requests' grammars for this model off the engine thread, once per spec
-        (engine/structured/grammar.py)."""
-        loaded, runner = self.loaded, self._runner  # waits for the load
-        assert runner is not None
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = Grammars(
-                    loaded.tokenizer,
-                    runner.vocab_size,
-                    loaded.info.eos_token_ids,
-                    self.config.grammar_compile_timeout_s,
-                )
-            return self._grammars
+        assert self._model is not None
+        return self._model
 
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue a request; `sink` gets Started, Token*, then exactly one End or Error, from the engine thread.
@@ -210,14 +139,14 @@ class Engine:
         try:
             if self._closed.is_set():
                 raise RequestError("the engine is shut down")
-            self.validate(request)
+            self.model.validate(request)
             seed = random_seed() if request.seed is None else check_seed(request.seed)
         except (RequestError, ValueError) as exc:
             sink(Error(request.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
             return
         output = Output(sink, Detokenizer(self.loaded.tokenizer.backend_tokenizer, request.stop))
         if request.grammar is not None:
-            output.grammar = self.grammars.matcher(request.grammar, request.reasoning, request.prompt_ids)
+            output.grammar = self.model.grammars.matcher(request.grammar, request.reasoning, request.prompt_ids)
         sequence = Sequence(request, seed, output)
         with self._in_flight_lock:
             if self._fault is not None:
@@ -283,9 +212,8 @@ class Engine:
         self._thread.join()
         # A request that raced with close never reached the loop: end it rather than leave its caller waiting.
         self._end_inbox(ErrorCode.CANCELLED, "the engine shut down")
-        with self._grammars_lock:
-            if self._grammars is not None:
-                self._grammars.close()
+        if self._model is not None:
+            self._model.close()
         # What freeze_heap froze goes back to the collector, so that the interpreter's finalization frees it: frozen
         # objects outlive it, and extensions that check for leaks at exit (Triton's nanobind) report them on stderr.
         gc.unfreeze()
@@ -348,13 +276,9 @@ class Engine:
         try:
             self._runner = self._make_runner(self._load(), self.config)
             self._core = EngineCore(self._runner, self.config, self._observer, self._proposer)
-            self._token_texts = token_texts(self._runner.loaded.tokenizer)
-            self._vocab_size = len(self._token_texts)
-            if self.config.reasoning_parser == "auto":
-                tokenizer = self._runner.loaded.tokenizer
-                template = tokenizer.chat_template  # a dict where a tokenizer names several templates: none detected
-                self._reasoning = detect_reasoning(template if isinstance(template, str) else None, tokenizer)
-            self._loaded = self._runner.loaded
+            runner = self._runner
+            self._model = ServedModel(runner.loaded, runner.kv.context, runner.vocab_size, self.config)
+            self._loaded = runner.loaded
             freeze_heap()
         except BaseException as exc:  # handed to the caller through `loaded`
             self._load_error = exc

@@ -23,7 +23,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps (and first prompt chunks) replayed as CUDA graphs on a GPU
     compile_model: bool = False  # the forward through torch.compile
     threads: int | None = None  # CPU threads of the forward; None: default_threads() (on torch: its own default)
-    # "auto": a reasoning model's format detected from its chat template (Engine.reasoning); "none": no format.
+    # "auto": a reasoning model's format detected from its chat template (ServedModel.reasoning); "none": no format.
     reasoning_parser: str = "auto"
     grammar_compile_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused, its compile stopped
 

@@ -12,7 +12,7 @@ class RequestError(ValueError):
 
 def check_request(request: Request, loaded: LoadedModel, context: int, vocab_size: int) -> None:
     """Raise RequestError for a request that cannot run on this model: `context` the most tokens one request may hold
-    (Engine.context_length), `vocab_size` the tokenizer's vocabulary."""
+    (ServedModel.context_length), `vocab_size` the tokenizer's vocabulary."""
     if not request.prompt_ids:
         raise RequestError("the prompt is empty after tokenization")
     if request.max_tokens < 0:

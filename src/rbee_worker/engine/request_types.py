@@ -27,7 +27,7 @@ class ErrorCode(StrEnum):
 
 @dataclass(frozen=True)
 class Request:
-    """One generation. `prompt_ids` is the tokenized prompt (see Engine.tokenize); text never enters the core."""
+    """One generation. `prompt_ids` is the tokenized prompt (see ServedModel.tokenize); text never enters the core."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int = 2048  # 0: the prompt is computed (for its prompt_logprobs) and nothing is generated
@@ -43,7 +43,7 @@ class Request:
     embed: bool = False
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: CompiledGrammar | None = None  # structured output: the tokens follow it (engine/structured/grammar.py)
-    # A reasoning model's chat request (Engine.reasoning): its grammar applies only after the reasoning.
+    # A reasoning model's chat request (ServedModel.reasoning): its grammar applies only after the reasoning.
     reasoning: ReasoningFormat | None = None
 
 

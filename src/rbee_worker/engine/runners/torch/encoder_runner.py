@@ -1,8 +1,8 @@
 """The runner of an encoder model (BERT family, loading/hf.py's is_encoder): transformers' base model, which attends
 both ways over a whole input, so each prompt runs in one forward (Capabilities.whole_prompts) and keeps no keys or
-values. It serves embedding requests only (Engine.validate refuses the rest): a step pads its prompts to the longest
-with the attention mask marking each row's own positions, as sentence-transformers batches them, and gives back each
-row's pooled hidden states (PromptRow.pool). Its block pool accounts for positions and holds no memory."""
+values. It serves embedding requests only (ServedModel.validate refuses the rest): a step pads its prompts to the
+longest with the attention mask marking each row's own positions, as sentence-transformers batches them, and gives back
+each row's pooled hidden states (PromptRow.pool). Its block pool accounts for positions and holds no memory."""
 
 from collections.abc import Sequence
 
