@@ -55,12 +55,12 @@ NEW_TOKENS = 48
 CPU = torch.device("cpu")
 IDS = [[3, 17, 101, 5, 250, 42, 7, 9, 64, 128, 1, 2, 49000, 16400]]  # ids in every vocabulary shard of 2, 3 and 4
 # Run by each rank of the sharding tests: rank, world, port, MODEL, --quantize, where rank 0 writes its logits. The
-# rank loads and cuts its shard as a worker's rank does (ranks.load_shard), then runs the whole model.
+# rank loads and cuts its shard as a worker's rank does (rank_group.load_shard), then runs the whole model.
 RANK_SCRIPT = f"""
 import sys, torch, torch.distributed as dist
 from rbee_worker.hardware.devices import Placement
 from rbee_worker.engine.runners.torch.kv_cache import kv_shape
-from rbee_worker.engine.parallel.ranks import load_shard
+from rbee_worker.engine.parallel.rank_group import load_shard
 from rbee_worker.loading.loader import load_model
 from rbee_worker.loading.spec import Shard
 rank, world, port, spec, quantize, out = sys.argv[1:]
@@ -87,7 +87,7 @@ import json, os, sys, traceback
 import torch, torch.distributed
 from rbee_worker.hardware.devices import Placement
 from rbee_worker.engine.runners.torch.kv_cache import kv_shape
-from rbee_worker.engine.parallel.ranks import load_shard
+from rbee_worker.engine.parallel.rank_group import load_shard
 from rbee_worker.loading.loader import load_model
 
 def child(request):

@@ -42,7 +42,7 @@ from rbee_worker.loading.spec import Shard
 RSS_SCRIPT = """
 import json, os, sys, torch, torch.distributed as dist
 from rbee_worker.hardware.devices import Placement
-from rbee_worker.engine.parallel.ranks import load_shard
+from rbee_worker.engine.parallel.rank_group import load_shard
 from rbee_worker.loading.loader import load_model
 from rbee_worker.loading.spec import Shard
 rank, world, port, spec, out = sys.argv[1:]

@@ -36,7 +36,7 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     import torch
 
-    from rbee_worker.engine.parallel.ranks import control_group, join, load_shard, receive, start_beating
+    from rbee_worker.engine.parallel.rank_group import control_group, join, load_shard, receive, start_beating
     from rbee_worker.engine.parallel.tp_messages import ForwardRows, Ping, RankSetup, RunnerSetup, Stop
     from rbee_worker.engine.parallel.tp_runners import FollowerRunner, runner_reports
     from rbee_worker.loading.loader import load_spec

@@ -10,7 +10,7 @@ What crosses, pickled: a rank beyond 0 first gets its RankSetup (what it needs t
 with its own placement), then the RunnerSetup (the engine's settings and the KV pool's geometry, as rank 0 decided
 them), then a ForwardRows for each of rank 0's forwards (the plain PromptRow / DecodeRow dataclasses of
 engine/runners/protocol.py); on the control group also a Ping while rank 0 idles and a Stop when it stops. Every rank
-tells every other one its RankReport (engine/parallel/ranks.py's load_shard, engine/parallel/tp_runners.py's
+tells every other one its RankReport (engine/parallel/rank_group.py's load_shard, engine/parallel/tp_runners.py's
 runner_reports).
 """
 
