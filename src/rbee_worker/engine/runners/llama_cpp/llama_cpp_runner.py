@@ -48,7 +48,8 @@ import numpy as np
 import torch
 
 from rbee_worker.engine.engine_config import EngineConfig, default_threads
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, PromptCache, RuntimePrefixes, State
+from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, PromptCache, RuntimePrefixes
+from rbee_worker.engine.runners.llama_cpp.sequences import Sequences
 from rbee_worker.engine.runners.protocol import (
     Capabilities,
     DecodeRow,
@@ -135,7 +136,6 @@ class LlamaCppRunner:
                 "--max-context, or see the llama.cpp messages with --log-level debug"
             )
         self._cells = native.llama_n_ctx(self._context)  # what it allocated: each sequence's cells rounded up
-        self._memory = native.llama_get_memory(self._context)
         self._batch = native.llama_batch_init(self.capacity, 0, 1)
         self.vocab_size = model.vocab_size
         self.sampling = RowSampling(rows, model.vocab_size, CPU)
@@ -153,14 +153,10 @@ class LlamaCppRunner:
         if budget is None:
             budget = min(self.kv_bytes(), PROMPT_CACHE_BYTES)
         self.prompts = PromptCache(budget if self.reusing else 0)
-        self._unified = unified
-        self._held: list[list[int]] = [[] for _ in range(rows)]  # each sequence's tokens at positions 0..n-1
-        # Each sequence's first positions computed with no other sequence in the pool (or restored from such): what a
-        # fresh run computes alike (see the module docstring). With a stream per sequence, every position.
-        self._exact = [0] * rows
+        self.sequences = Sequences(self._context, rows, unified, self.prompts)
         least = self.kv.block_size
         self.prefixes = (
-            RuntimePrefixes(self.prompts, self._held, self._exact, least, config.deterministic)
+            RuntimePrefixes(self.prompts, self.sequences.held, self.sequences.exact, least, config.deterministic)
             if self.reusing
             else None
         )
@@ -189,71 +185,23 @@ class LlamaCppRunner:
         self.sampling.masks(rows)
 
     def restore(self, row: int, hit: PrefixHit) -> bool:
-        """The prefix that `prefixes` found, given to the row's sequence (emptied first). False where llama.cpp cannot
-        restore it: the sequence is left empty and the saved state is dropped from the prompt cache."""
-        self._clear(row)
-        found = len(hit.token_ids)
-        if hit.source is not None and self._unified:
-            native.llama_memory_seq_cp(self._memory, hit.source, row, 0, found)
-        else:
-            state = self._state(hit.source) if hit.source is not None else self.prompts.take(hit.key)  # type: ignore[arg-type]
-            if not self._restore(row, state):
-                log.warning("llama.cpp could not restore a prompt state; computing the prompt whole")
-                self._clear(row)
-                if hit.key is not None:
-                    self.prompts.discard(hit.key)
-                return False
-            native.llama_memory_seq_rm(self._memory, row, found, -1)
-        self._held[row] = list(hit.token_ids)
-        self._exact[row] = hit.exact
-        return True
+        """The prefix that `prefixes` found, given to the row's sequence (Sequences.restore)."""
+        return self.sequences.restore(row, hit)
 
     def evict(self, row: int) -> None:
         """The request in this batch row was preempted: its sequence's cells go back to the pool."""
-        self._clear(row)
+        self.sequences.clear(row)
 
     def release(self, row: int) -> None:
         """The request in this batch row has ended: its sequence's state is saved to the prompt cache (in deterministic
         mode its prompt's whole chunks only) unless a saved one holds it already, then its cells go back."""
-        held = self._held[row]
-        keep = len(held)
+        keep = len(self.sequences.held[row])
         if self.config.deterministic:
             prompt = self._prompt_lengths[row]
             keep = min(keep, prompt - prompt % self.config.prefill_chunk)
-        if self.reusing and not self._broken and keep >= self.kv.block_size and not self.prompts.covers(held[:keep]):
-            native.llama_memory_seq_rm(self._memory, row, keep, -1)
-            if (state := self._state(row)).size:
-                self.prompts.insert(held[:keep], state, self._exact[row])
-        self._clear(row)
-
-    def _restore(self, row: int, state: State) -> bool:
-        """A sequence state (`_state`'s) into the row's sequence."""
-        if not state.size:
-            return False
-        buffer = (ctypes.c_ubyte * len(state)).from_buffer(state)
-        return native.llama_state_seq_set_data(self._context, buffer, len(state), row) == len(state)
-
-    def _state(self, row: int) -> State:
-        """The row's sequence state as llama.cpp saves it (its cells' keys and values); empty if it cannot. The buffer
-        is not zeroed (prompt_cache.State): llama.cpp writes it, with the GIL released."""
-        size = native.llama_state_seq_get_size(self._context, row)
-        state = np.empty(size, dtype=np.uint8)
-        buffer = (ctypes.c_ubyte * size).from_buffer(state)
-        ok = native.llama_state_seq_get_data(self._context, buffer, size, row) == size
-        return state if ok else state[:0]
-
-    def _cut(self, row: int, start: int) -> None:
-        """The row's sequence before a prompt chunk at `start`: what it holds from `start` on goes (a prefix that
-        `restore` gave but that the chunk computes again)."""
-        if len(self._held[row]) > start:
-            native.llama_memory_seq_rm(self._memory, row, start, -1)
-            del self._held[row][start:]
-            self._exact[row] = min(self._exact[row], start)
-
-    def _clear(self, row: int) -> None:
-        native.llama_memory_seq_rm(self._memory, row, -1, -1)
-        self._held[row] = []
-        self._exact[row] = 0
+        if self.reusing and not self._broken and keep >= self.kv.block_size:
+            self.sequences.save(row, keep)
+        self.sequences.clear(row)
 
     # -- steps -------------------------------------------------------------------------------------------------------
 
@@ -302,7 +250,7 @@ class LlamaCppRunner:
         # With embeddings on llama.cpp outputs every position of the step: every position is flagged then.
         pools = any(row.pool for row in prompts)
         for row in prompts:
-            self._cut(row.row, row.start)
+            self.sequences.cut(row.row, row.start)
             last = len(row.token_ids) - 1
             first_output.append(outputs)
             for i, token in enumerate(row.token_ids):
@@ -323,10 +271,7 @@ class LlamaCppRunner:
         batch.n_tokens = n
         if n == 0:
             return Stepped([], [])
-        rows = [r.row for r in prompts] + [r.row for r in decodes]
-        alone = not self._unified or (
-            len(rows) == 1 and not any(held for other, held in enumerate(self._held) if other != rows[0])
-        )
+        alone = self.sequences.alone([r.row for r in prompts] + [r.row for r in decodes])
         if pools:
             native.llama_set_embeddings(self._context, True)
         try:
@@ -337,13 +282,9 @@ class LlamaCppRunner:
                 native.llama_set_embeddings(self._context, False)
         pooled = [self._pooled(row, at) for row, at in zip(prompts, first_output, strict=True)] if pools else []
         for row in prompts:
-            del self._held[row.row][row.start :]
-            self._held[row.row].extend(row.token_ids)
-            self._computed(row.row, row.start, len(row.token_ids), alone)
+            self.sequences.computed(row.row, row.start, list(row.token_ids), alone)
         for row in decodes:
-            del self._held[row.row][row.position :]
-            self._held[row.row].extend(row.tokens)
-            self._computed(row.row, row.position, 1, alone)
+            self.sequences.computed(row.row, row.position, list(row.tokens), alone)
         logits = self._logits(outputs)
         scored = [
             score(logits[at : at + len(row.targets)], row.targets, row.target_top) if row.targets else ()
@@ -370,12 +311,6 @@ class LlamaCppRunner:
         rows = np.ctypeslib.as_array((ctypes.c_float * ((mine[-1] + 1) * width)).from_address(address))
         hidden = rows.reshape(-1, width)[mine]
         return hidden.sum(0) if row.pool == "mean" else hidden[0].copy()
-
-    def _computed(self, row: int, start: int, count: int, alone: bool) -> None:
-        """The row's positions start..start+count-1 are computed, `alone` in the pool or not: its exact first
-        positions."""
-        exact = self._exact[row]
-        self._exact[row] = start + count if alone and exact >= start else min(exact, start)
 
     def _put(self, index: int, token: int, position: int, row: int, logits: bool) -> None:
         batch = self._batch
