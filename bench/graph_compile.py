@@ -24,7 +24,7 @@ from rbee_worker.engine.runners.torch.compiled import compile_model
 from rbee_worker.engine.runners.torch.cuda_graphs import DecodeGraphs
 from rbee_worker.engine.runners.torch.kv_cache import SlotCache
 from rbee_worker.engine.runners.torch.torch_runner import cache_kwarg
-from rbee_worker.engine.sampling.sampler import SamplerFeatures, SamplerState
+from rbee_worker.engine.sampling.sampler_state import SamplerFeatures, SamplerState
 from rbee_worker.hardware.devices import resolve_placement
 from rbee_worker.loading.loader import load_model
 

@@ -21,7 +21,8 @@ import torch
 
 from rbee_worker.benchmark.run import machine
 from rbee_worker.engine.runners.torch.cuda_graphs import capture
-from rbee_worker.engine.sampling.sampler import SamplerFeatures, SamplerState, pack, sample
+from rbee_worker.engine.sampling.sampler import pack, sample
+from rbee_worker.engine.sampling.sampler_state import SamplerFeatures, SamplerState
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
 CHAT = dict(temperature=0.7, top_p=0.9)

@@ -27,7 +27,7 @@ from rbee_worker.loading.demo import cache_dir, demo_model_path
 from rbee_worker.loading.gguf.llama_cpp_model import llama_cpp_installed
 
 if TYPE_CHECKING:
-    from rbee_worker.engine.sampling.sampler import SamplerState
+    from rbee_worker.engine.sampling.sampler_state import SamplerState
 
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_installed(), reason="llama-cpp-python is not installed")
 # The runtimes that a test parametrized over them runs on (llama.cpp's where llama-cpp-python is installed). Under a
@@ -318,7 +318,7 @@ def penalty_state(vocab: int, generator: torch.Generator) -> tuple["SamplerState
     """A SamplerState of five slots, one per kind of penalty (repetition above and below 1, presence and frequency of
     both signs, none), each with 300 random prompt ids and about 1% of the vocabulary generated up to twice; and
     the slots of six rows that read it (one slot twice)."""
-    from rbee_worker.engine.sampling.sampler import SamplerState
+    from rbee_worker.engine.sampling.sampler_state import SamplerState
     from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
     params = [

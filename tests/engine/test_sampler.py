@@ -22,19 +22,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rbee_worker.engine.sampling import sampler
-from rbee_worker.engine.sampling.sampler import (
-    MAX_TOP_LOGPROBS,
-    PACKED_WIDTH,
-    SampleOutput,
-    SamplerFeatures,
-    SamplerState,
-    check_seed,
-    pack,
-    sample,
-    unpack,
-)
+from rbee_worker.engine.sampling import sampler, sampler_state, seeded_draws
+from rbee_worker.engine.sampling.sampler import PACKED_WIDTH, SampleOutput, pack, sample, unpack
+from rbee_worker.engine.sampling.sampler_state import MAX_TOP_LOGPROBS, SamplerFeatures, SamplerState
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
+from rbee_worker.engine.sampling.seeded_draws import check_seed
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -139,8 +131,8 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """The uniform numbers the sampler draws with, from the seeds themselves (int64 tensors, seeds as two's
-    complement): sampler._draw_bits of the seeds' streams."""
-    return sampler._draw_bits(sampler._stream(seeds), counters)
+    complement): seeded_draws.draw_bits of the seeds' streams."""
+    return seeded_draws.draw_bits(seeded_draws.stream_of(seeds), counters)
 
 
 def splitmix64_uniform(seed: int, counter: int) -> int:
@@ -872,7 +864,7 @@ def test_cpu_penalties_touch_only_seen_tokens_and_equal_the_full_float32_computa
     generator = torch.Generator().manual_seed(3)
     state, slots = penalty_state(vocab, generator)
     counts = state.counts[slots]
-    generated = (counts & (sampler._IN_PROMPT - 1)).float()
+    generated = (counts & (sampler_state.IN_PROMPT - 1)).float()
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(len(slots), vocab, generator=generator) * 4).to(dtype)
         x[:, :6] = torch.tensor([3.0e38, -3.0e38, 0.0, -0.0, 1e-30, -torch.inf]).to(dtype)
@@ -888,10 +880,10 @@ def test_cpu_penalties_touch_only_seen_tokens_and_equal_the_full_float32_computa
 
 
 def test_one_rows_uniform_number_in_python_integers_is_the_tensors() -> None:
-    """_draw_bits_of (the host draw's, one row in Python integers) gives _draw_bits' number for any stream and
+    """draw_bits_of (the host draw's, one row in Python integers) gives draw_bits. number for any stream and
     counter, the wrap-around of int64 arithmetic included."""
     generator = np.random.default_rng(3)
     streams = generator.integers(-(2**63), 2**63 - 1, size=500, dtype=np.int64)
     counters = generator.integers(0, 2**40, size=500, dtype=np.int64)
-    expected = sampler._draw_bits(streams, counters).tolist()
-    assert [sampler._draw_bits_of(int(s), int(c)) for s, c in zip(streams, counters, strict=True)] == expected
+    expected = seeded_draws.draw_bits(streams, counters).tolist()
+    assert [seeded_draws.draw_bits_of(int(s), int(c)) for s, c in zip(streams, counters, strict=True)] == expected

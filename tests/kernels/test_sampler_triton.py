@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import penalty_state
 
-from rbee_worker.engine.sampling import sampler
-from rbee_worker.engine.sampling.sampler import SamplerFeatures, SamplerState
+from rbee_worker.engine.sampling import sampler, sampler_state, seeded_draws
+from rbee_worker.engine.sampling.sampler_state import SamplerFeatures, SamplerState
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
 
 SETTINGS = [
@@ -55,7 +55,7 @@ def compare_with_tensor_path(device: str, rows: int, vocab: int, trials: int) ->
         logits = logits.to(device=device, dtype=torch.bfloat16 if trial % 2 else torch.float32)
         for features in FEATURES:
             x, top, _, valid = sampler._scores(logits, state, slots, features)
-            bits = sampler._draw_bits(state.stream[slots], state.counter[slots] + trial)
+            bits = seeded_draws.draw_bits(state.stream[slots], state.counter[slots] + trial)
             expected = sampler._draw(sampler._kept_weights(x, top, state, slots, features), bits[:, None])
             drawn = sampler_triton.draw(
                 x, top, state.temperature[slots], state.top_k[slots] if features.top_k else None,
@@ -83,7 +83,7 @@ def compare_penalties(device: str, vocab: int) -> int:
         on = {name: getattr(state, name).to(device) for name in ("counts", "repetition", "presence", "frequency")}
         got = sampler_triton.penalize(
             x.to(device), on["counts"], slots.to(device), on["repetition"], on["presence"], on["frequency"],
-            sampler._IN_PROMPT,
+            sampler_state.IN_PROMPT,
         ).cpu()  # fmt: skip
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (got - expected).abs().max()
         compared += got.numel()

@@ -30,8 +30,8 @@ from rbee_worker.engine.plan import Output, Sequence, Sink
 from rbee_worker.engine.request_checks import RequestError
 from rbee_worker.engine.request_types import End, Error, ErrorCode, Event, Request
 from rbee_worker.engine.runners.protocol import DeviceFault, Runner
-from rbee_worker.engine.sampling.sampler import check_seed
 from rbee_worker.engine.sampling.sampling_params import random_seed
+from rbee_worker.engine.sampling.seeded_draws import check_seed
 from rbee_worker.engine.scheduling.scheduler import Proposer
 from rbee_worker.engine.served_model import ServedModel
 from rbee_worker.loading.loaded import LoadedModel

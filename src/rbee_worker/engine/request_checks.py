@@ -2,7 +2,7 @@
 (an invalid one gets one Error event, INVALID_REQUEST)."""
 
 from rbee_worker.engine.request_types import Request
-from rbee_worker.engine.sampling.sampler import MAX_TOP_LOGPROBS
+from rbee_worker.engine.sampling.sampler_state import MAX_TOP_LOGPROBS
 from rbee_worker.loading.loaded import LoadedModel
 
 

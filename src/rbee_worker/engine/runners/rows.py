@@ -12,7 +12,8 @@ import torch
 
 from rbee_worker.engine.request_types import TokenLogprob
 from rbee_worker.engine.runners.protocol import KvGeometry, PromptRow, Sampled
-from rbee_worker.engine.sampling.sampler import SamplerFeatures, SamplerState, pack, plain_on_host, sample, unpack
+from rbee_worker.engine.sampling.sampler import pack, plain_on_host, sample, unpack
+from rbee_worker.engine.sampling.sampler_state import SamplerFeatures, SamplerState
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
 from rbee_worker.engine.structured.grammar import Matcher, fill_masks, host_bitmask
 from rbee_worker.errors import ModelLoadError

@@ -21,7 +21,7 @@ Order of operations for each generated token (the order of Hugging Face transfor
 6. Min-p: drop tokens whose probability (after the steps above) is < min_p * the largest probability, as in
    ``MinPLogitsWarper``.
 7. Renormalize over the survivors and draw one token by inverse CDF, with one uniform number from the request's
-   random stream (a function of its seed and the token's index: engine/sampling/sampler.py's `_draw_bits`).
+   random stream (a function of its seed and the token's index: engine/sampling/seeded_draws.py's `draw_bits`).
 
 Every filter keeps at least the most likely token (transformers' ``min_tokens_to_keep=1``).
 

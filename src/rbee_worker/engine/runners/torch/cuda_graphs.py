@@ -18,14 +18,8 @@ import torch
 
 from rbee_worker.engine.runners.protocol import DecodeRow
 from rbee_worker.engine.runners.torch.kv_cache import PagedCache, prefill_mask
-from rbee_worker.engine.sampling.sampler import (
-    MAX_TOP_LOGPROBS,
-    PACKED_WIDTH,
-    SamplerFeatures,
-    SamplerState,
-    pack,
-    sample,
-)
+from rbee_worker.engine.sampling.sampler import PACKED_WIDTH, pack, sample
+from rbee_worker.engine.sampling.sampler_state import MAX_TOP_LOGPROBS, SamplerFeatures, SamplerState
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_CHUNK = 16  # the shortest prompt-chunk bucket

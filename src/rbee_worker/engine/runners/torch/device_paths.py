@@ -19,7 +19,8 @@ import torch
 from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.runners.protocol import Capabilities, KvGeometry, PromptRow
 from rbee_worker.engine.runners.torch.kv_cache import PagedCache, caches_latent, decode_mask
-from rbee_worker.engine.sampling.sampler import MAX_TOP_LOGPROBS, SamplerFeatures, SamplerState, sample
+from rbee_worker.engine.sampling.sampler import sample
+from rbee_worker.engine.sampling.sampler_state import MAX_TOP_LOGPROBS, SamplerFeatures, SamplerState
 from rbee_worker.errors import ModelLoadError
 from rbee_worker.hardware.devices import tensor_bytes
 from rbee_worker.layers.cpu_linear import can_pack, pack_linears, packed_bytes

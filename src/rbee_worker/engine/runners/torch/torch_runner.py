@@ -44,7 +44,7 @@ from rbee_worker.engine.runners.torch.compiled import compile_model, uncompile_m
 from rbee_worker.engine.runners.torch.cuda_graphs import DecodeGraphs, LaunchedStep, PrefillGraphs
 from rbee_worker.engine.runners.torch.device_paths import device_path
 from rbee_worker.engine.runners.torch.kv_cache import PagedCache, kv_bytes_per_token, prefill_mask, sliding_layers
-from rbee_worker.engine.sampling.sampler import SamplerFeatures
+from rbee_worker.engine.sampling.sampler_state import SamplerFeatures
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
 from rbee_worker.engine.scheduling.kv_blocks import SCRATCH_BLOCK
 from rbee_worker.engine.structured.grammar import Matcher
