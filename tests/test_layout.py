@@ -93,3 +93,13 @@ def test_module_names_are_unique() -> None:
         names = [path.name for path in root.rglob(pattern) if path.name != "__init__.py"]
         assert len(names) > 60
         assert sorted(name for name in set(names) if names.count(name) > 1) == []
+
+
+def test_no_engine_module_holds_more_than_400_lines() -> None:
+    """A module of the engine past about 400 lines usually holds two jobs: it is split where they part."""
+    lengths = {
+        path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
+        for path in PACKAGE.glob("engine/**/*.py")
+    }
+    assert len(lengths) > 30
+    assert {name: lines for name, lines in lengths.items() if lines > 400} == {}
