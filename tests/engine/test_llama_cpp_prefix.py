@@ -12,8 +12,9 @@ from conftest import engine_config, submit_together
 
 from rbee_worker.engine.engine import Engine
 from rbee_worker.engine.request_types import End, Error, Request, Token
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PromptCache, common_prefix
+from rbee_worker.engine.runners.llama_cpp.prompt_cache import PromptCache
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
+from rbee_worker.engine.scheduling.kv_blocks import common_prefix
 from rbee_worker.hardware.devices import resolve_placement
 from rbee_worker.loading.loader import load_model
 

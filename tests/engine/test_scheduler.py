@@ -8,7 +8,7 @@ from conftest import executed
 from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.plan import Chunk, Ending, Lost, Output, Plan, Sequence
 from rbee_worker.engine.request_types import Request, StopReason
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PromptCache, RuntimePrefixes
+from rbee_worker.engine.runners.llama_cpp.prompt_cache import PromptCache, SavedPrefixes
 from rbee_worker.engine.runners.protocol import Capabilities, KvGeometry
 from rbee_worker.engine.scheduling.scheduler import Scheduler
 
@@ -345,7 +345,7 @@ def test_a_prefix_the_runtime_holds_is_restored_by_the_plan_and_a_lost_one_read_
     config = EngineConfig(block_size=4, prefill_chunk=64)
     prompts = PromptCache(1 << 20)
     prompts.insert(tuple(range(1, 13)), np.zeros(8, dtype=np.uint8))  # a saved state of 12 tokens
-    prefixes = RuntimePrefixes(prompts, [[] for _ in range(config.max_batch)], [0] * config.max_batch, 4, False)
+    prefixes = SavedPrefixes(prompts, [[] for _ in range(config.max_batch)], [0] * config.max_batch, 4, False)
     scheduler = Scheduler(
         config, Capabilities(False), KvGeometry(64, 4, 1024, 1, shared_blocks=False), prefixes=prefixes
     )

@@ -11,8 +11,7 @@ import numpy as np
 
 from rbee_worker.engine.detokenizer import Detokenizer
 from rbee_worker.engine.request_types import ErrorCode, Event, Request, StopReason, TokenLogprob
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit
-from rbee_worker.engine.runners.protocol import Sampled
+from rbee_worker.engine.runners.protocol import PrefixHit, Sampled
 from rbee_worker.engine.scheduling.kv_blocks import BlockTable
 from rbee_worker.engine.structured.grammar import Matcher
 

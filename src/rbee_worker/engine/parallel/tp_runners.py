@@ -26,12 +26,12 @@ from rbee_worker.engine.engine_config import EngineConfig
 from rbee_worker.engine.parallel.rank_group import first_line
 from rbee_worker.engine.parallel.ranks import LOST_WAIT_S, Ranks
 from rbee_worker.engine.parallel.tp_messages import ForwardRows, RankReport, RunnerSetup
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit
 from rbee_worker.engine.runners.protocol import (
     Capabilities,
     DecodeRow,
     DeviceFault,
     Launched,
+    PrefixHit,
     PromptRow,
     Sampled,
     Stepped,

@@ -16,7 +16,6 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from rbee_worker.engine.request_types import TokenLogprob
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, RuntimePrefixes
 from rbee_worker.engine.sampling.sampling_params import SamplingParams
 from rbee_worker.engine.structured.grammar import Matcher
 from rbee_worker.loading.loaded import LoadedModel
@@ -152,6 +151,26 @@ class Finished:
 
 class DeviceFault(RuntimeError):
     """The device (or the runtime's context) is unusable: every later step would fail too. The worker stops."""
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The first `token_ids` of a prompt, which the runtime holds already: in a saved state (`key`, a PromptCache
+    entry's) or in another batch row's sequence (`source`); the first `exact` of them exact."""
+
+    token_ids: tuple[int, ...]
+    exact: int
+    key: tuple[int, ...] | None = None
+    source: int | None = None
+
+
+class RuntimePrefixes(Protocol):
+    """What a runtime whose KV memory the block pool does not describe holds (Runner.prefixes), for the scheduler to
+    plan prompts with; reading it changes nothing (the plan restores a hit: Runner.restore)."""
+
+    def find(self, row: int, token_ids: Sequence[int], limit: int) -> PrefixHit | None:
+        """The longest prefix of `token_ids[:limit]` that the runtime holds for batch row `row`; None if too short."""
+        ...
 
 
 class Runner(Protocol):

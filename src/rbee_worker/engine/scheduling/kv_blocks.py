@@ -210,3 +210,16 @@ class BlockPool:
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """A full block's key: the digest of its parent's key and its tokens (so it stands for the whole prefix)."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+MATCH_STRIDE = 64  # tokens compared at once (as tuple slices) while finding a common prefix
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens `a` and `b` share: whole MATCH_STRIDE-long slices first, then token by token."""
+    end, n = min(len(a), len(b)), 0
+    while n + MATCH_STRIDE <= end and a[n : n + MATCH_STRIDE] == b[n : n + MATCH_STRIDE]:
+        n += MATCH_STRIDE
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n

@@ -60,8 +60,8 @@ from rbee_worker.engine.plan import (
     Sequence,
 )
 from rbee_worker.engine.request_types import ErrorCode, StopReason
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, RuntimePrefixes, common_prefix
-from rbee_worker.engine.runners.protocol import Capabilities, KvGeometry
+from rbee_worker.engine.runners.protocol import Capabilities, KvGeometry, PrefixHit, RuntimePrefixes
+from rbee_worker.engine.scheduling.kv_blocks import common_prefix
 from rbee_worker.engine.scheduling.kv_manager import KvManager
 
 # Tokens proposed to follow a sequence's last one (speculative decoding), as many as the proposer has up to `limit`.

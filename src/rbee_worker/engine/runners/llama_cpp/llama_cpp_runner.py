@@ -17,7 +17,7 @@ Prefix reuse: llama.cpp places the cells, so the block pool cannot be the prefix
 sequence's state (keys and values of the tokens it holds) is saved to a host-memory cache
 (engine/runners/llama_cpp/prompt_cache.py, as llama-server's `--cache-ram`) and its cells go back; at a prompt's first
 chunk the scheduler looks up the saved state sharing the longest prefix with the prompt (`prefixes`,
-prompt_cache.RuntimePrefixes), and the plan restores it into the row's sequence cut to that prefix (`restore`), or a
+prompt_cache.SavedPrefixes), and the plan restores it into the row's sequence cut to that prefix (`restore`), or a
 running request's sequence gives its cells for the prefix (in a unified pool `llama_memory_seq_cp` shares them; across
 streams its state is copied, as a saved one is restored). Saved states hold no cells: cells left to ended sequences
 would take room that the block pool does not account for, and in a unified pool llama.cpp's attention sums depend on the
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from rbee_worker.engine.engine_config import EngineConfig, default_threads
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, PromptCache, RuntimePrefixes
+from rbee_worker.engine.runners.llama_cpp.prompt_cache import PromptCache, SavedPrefixes
 from rbee_worker.engine.runners.llama_cpp.sequences import Sequences
 from rbee_worker.engine.runners.protocol import (
     Capabilities,
@@ -56,6 +56,7 @@ from rbee_worker.engine.runners.protocol import (
     Finished,
     KvGeometry,
     Launched,
+    PrefixHit,
     PromptRow,
     Sampled,
     Stepped,
@@ -156,7 +157,7 @@ class LlamaCppRunner:
         self.sequences = Sequences(self._context, rows, unified, self.prompts)
         least = self.kv.block_size
         self.prefixes = (
-            RuntimePrefixes(self.prompts, self.sequences.held, self.sequences.exact, least, config.deterministic)
+            SavedPrefixes(self.prompts, self.sequences.held, self.sequences.exact, least, config.deterministic)
             if self.reusing
             else None
         )

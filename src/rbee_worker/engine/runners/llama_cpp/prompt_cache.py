@@ -11,24 +11,15 @@ already extends only refreshes that entry.
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
+
+from rbee_worker.engine.runners.protocol import PrefixHit
+from rbee_worker.engine.scheduling.kv_blocks import common_prefix
 
 # A saved state: its bytes (uint8), allocated without zeroing: a bytearray of a long sequence's state (hundreds of MB)
 # is zeroed with the GIL held, which stalls every other thread (the HTTP server's) for as long.
 State = np.ndarray
-MATCH_STRIDE = 64  # tokens compared at once (as tuple slices) while finding a common prefix
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first tokens `a` and `b` share: whole MATCH_STRIDE-long slices first, then token by token."""
-    end, n = min(len(a), len(b)), 0
-    while n + MATCH_STRIDE <= end and a[n : n + MATCH_STRIDE] == b[n : n + MATCH_STRIDE]:
-        n += MATCH_STRIDE
-    while n < end and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class PromptCache:
@@ -95,22 +86,11 @@ class PromptCache:
         del self._exact[key]
 
 
-@dataclass(frozen=True)
-class PrefixHit:
-    """The first `token_ids` of a prompt, which the runtime holds already: in a saved state (`key`, a PromptCache
-    entry's) or in another batch row's sequence (`source`); the first `exact` of them exact."""
-
-    token_ids: tuple[int, ...]
-    exact: int
-    key: tuple[int, ...] | None = None
-    source: int | None = None
-
-
-class RuntimePrefixes:
-    """What a runtime whose KV memory the block pool does not describe holds, for the scheduler to plan prompts with:
-    its saved states (`prompts`) and, unless `saved_only`, each batch row's sequence (`held`: its tokens at positions
-    0..n-1, `exact`: how many first ones are exact; the runner's own lists, which it keeps up to date). Reading it
-    changes nothing: the runner restores a hit when the plan runs (Runner.restore)."""
+class SavedPrefixes:
+    """The Runner.prefixes of llama.cpp's runtime (protocol.RuntimePrefixes), what it holds for the scheduler to plan
+    prompts with: its saved states (`prompts`) and, unless `saved_only`, each batch row's sequence (`held`: its tokens
+    at positions 0..n-1, `exact`: how many first ones are exact; the runner's own lists, which it keeps up to date).
+    Reading it changes nothing: the runner restores a hit when the plan runs (Runner.restore)."""
 
     def __init__(
         self, prompts: PromptCache, held: list[list[int]], exact: list[int], least: int, saved_only: bool

@@ -9,7 +9,8 @@ import logging
 import llama_cpp.llama_cpp as native
 import numpy as np
 
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit, PromptCache, State
+from rbee_worker.engine.runners.llama_cpp.prompt_cache import PromptCache, State
+from rbee_worker.engine.runners.protocol import PrefixHit
 
 log = logging.getLogger(__name__)
 

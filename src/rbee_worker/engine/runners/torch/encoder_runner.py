@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import torch
 
 from rbee_worker.engine.engine_config import EngineConfig
-from rbee_worker.engine.runners.llama_cpp.prompt_cache import PrefixHit
 from rbee_worker.engine.runners.protocol import (
     Capabilities,
     DecodeRow,
     Finished,
     KvGeometry,
     Launched,
+    PrefixHit,
     PromptRow,
     Sampled,
     Stepped,
