@@ -131,7 +131,7 @@ def fake_engine(**overrides: Any) -> SimpleNamespace:
         kv_cache_bytes=lambda: 200,
         prompt_cache_bytes=lambda: 0,
         prefix_cache_tokens=lambda: (0, 0),
-        grammars=SimpleNamespace(stats=GrammarStats()),
+        model=SimpleNamespace(grammars=SimpleNamespace(stats=GrammarStats())),
     )
     for name, value in overrides.items():
         setattr(engine, name, value)
