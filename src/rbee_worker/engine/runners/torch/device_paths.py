@@ -12,6 +12,7 @@ far a prompt chunk's attention reads, what memory is counted, and what runs befo
 
 import dataclasses
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -43,9 +44,10 @@ CPU_KEY_BLOCK = 512
 WARM_PROMPT_ROWS, WARM_PROMPT_TOKENS = 16, 32
 
 
-class HostPath:
-    """A device without CUDA (Apple's MPS): decode attention over each row's gathered keys and values, behind a mask;
-    nothing to capture or warm before ready."""
+class DevicePath(ABC):
+    """What every device does alike unless its path says otherwise: prompt chunks and decode rows in separate
+    forwards, a prompt's attention over the positions it ends at, nothing captured or warmed before ready. A path
+    says how a decode step's attention reads the cache and what memory it counts."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
@@ -66,14 +68,6 @@ class HostPath:
         """Whether prompt forwards skip the compiled forward."""
         return False
 
-    def decode_attention(
-        self, cache: PagedCache, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, kv_len: int
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A decode step's attention mask and extra forward arguments: each row's keys and values up to kv_len
-        gathered, the positions past its length masked."""
-        cache.prepare(rows, positions, kv_len, "gather")
-        return decode_mask(lengths, kv_len, self.dtype), {}
-
     def captures_graphs(self, config: EngineConfig) -> bool:
         return False
 
@@ -84,6 +78,34 @@ class HostPath:
 
     def warm(self, forward: PromptForward, max_batch: int, scratch: list[int], state: SamplerState) -> None:
         """Runs what must run once before ready beyond the compiled shapes: nothing here."""
+        return None
+
+    @abstractmethod
+    def decode_attention(
+        self, cache: PagedCache, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A decode step's attention mask and the extra arguments its forward takes."""
+
+    @abstractmethod
+    def kv_bytes(self, kv: KvGeometry, cache: PagedCache) -> int:
+        """The KV cache's memory in use."""
+
+    @abstractmethod
+    def memory_bytes(self, weight_bytes: int, kv_bytes: int) -> int:
+        """The device memory in use, weights and KV cache."""
+
+
+class HostPath(DevicePath):
+    """A device without CUDA (Apple's MPS): decode attention over each row's gathered keys and values, behind a mask;
+    memory as the weights and the KV cache touched so far."""
+
+    def decode_attention(
+        self, cache: PagedCache, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A decode step's attention mask and extra forward arguments: each row's keys and values up to kv_len
+        gathered, the positions past its length masked."""
+        cache.prepare(rows, positions, kv_len, "gather")
+        return decode_mask(lengths, kv_len, self.dtype), {}
 
     def kv_bytes(self, kv: KvGeometry, cache: PagedCache) -> int:
         """The KV cache's memory: the blocks touched so far (the pool's memory is reserved, not written, at start)."""
@@ -129,12 +151,9 @@ class CpuPath(HostPath):
         return compiled
 
 
-class CudaPath:
+class CudaPath(DevicePath):
     """A CUDA GPU: decode attention reads the paged cache in place, decode steps and first prompt chunks replay as
     CUDA graphs, the eager paths' kernels are made before ready."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
 
     def prepare(self, loaded: LoadedModel, config: EngineConfig) -> LoadedModel:
         """Mixtures of experts through the fused Triton kernels; latent attention refused (its layers expand the
@@ -145,15 +164,6 @@ class CudaPath:
             raise ModelLoadError("latent attention (kv_lora_rank) on CUDA is not served yet; on a CPU it is")
         use_fused_experts(loaded.model)
         return loaded
-
-    def capabilities(self, model: torch.nn.Module) -> Capabilities:
-        return Capabilities(mixed_batches=False)
-
-    def key_span(self, kv_len: int, first_chunk: bool, cache: PagedCache) -> int:
-        return kv_len
-
-    def eager_prompts(self, compiled: bool) -> bool:
-        return False
 
     def decode_attention(
         self, cache: PagedCache, rows: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, kv_len: int
@@ -197,9 +207,6 @@ class CudaPath:
     def memory_bytes(self, weight_bytes: int, kv_bytes: int) -> int:
         """What torch has allocated on the device."""
         return int(torch.cuda.memory_allocated(self.device))
-
-
-DevicePath = HostPath | CpuPath | CudaPath
 
 
 def device_path(device: torch.device, dtype: torch.dtype) -> DevicePath:
