@@ -2,9 +2,8 @@
 
 Each round of the loop: take new requests and cancellations from the inbox, then one step of engine/core.py's loop
 (schedule -> execute -> update -> output), and deliver the terminal events of the requests it ended. At most
-`max_batch` requests
-run at once, at most `max_queue` wait: a request beyond both is refused at once (EngineBusy) rather than queued
-without end.
+`max_batch` requests run at once, at most `max_queue` wait: a request beyond both is refused at once (EngineBusy)
+rather than queued without end.
 
 A failure that leaves the device unusable (`DeviceFault`) fails every request in flight, sets `fault`, and ends the
 thread: the worker reports itself unhealthy and stops, so that the pool manager restarts it.

@@ -69,8 +69,8 @@ Proposer = Callable[[Sequence, int], tuple[int, ...]]
 
 
 class Scheduler:
-    """Owns the admitted requests (`waiting` for a row, `running` in one), the rows, the block pool, and each
-    sequence's progress."""
+    """Owns the admitted requests (`waiting` for a row, `running` in one), the rows, the KV manager that holds their
+    blocks (`kv`), and each sequence's progress."""
 
     def __init__(
         self,
