@@ -2,7 +2,7 @@
 Ranks (engine/parallel/ranks.py: rank 0's process on node 0, `serve --node-rank R` on another node), never by hand.
 
 It reads its RankSetup from stdin, joins the ranks' process group (and the control group), starts its heartbeat
-(engine/parallel/ranks.py: a counter in rank 0's rendezvous store, which also ends this rank once rank 0 is gone),
+(engine/parallel/rank_group.py: a counter in rank 0's rendezvous store, which also ends this rank once rank 0 is gone),
 loads the model and cuts its shard, then takes the RunnerSetup (the engine's settings and the KV pool's geometry, as
 rank 0 decided them), makes its runner, tells every rank its weights and memory (one gather), and runs each ForwardRows
 that rank 0 sends over its shard. A rank on node 0 reads them from its pipe, until the pipe closes; a rank on another

@@ -1,5 +1,5 @@
-"""Tensor parallelism's plain data, with no process, group or thread behind it (those are engine/parallel/ranks.py's):
-where the ranks run and what crosses between them.
+"""Tensor parallelism's plain data, with no process, group or thread behind it (those are engine/parallel/ranks.py's and
+rank_group.py's): where the ranks run and what crosses between them.
 
 Where (torchrun's and vLLM's conventions): --tensor-parallel N is the whole world, spread evenly over --nnodes K
 (N / K ranks a node; global rank = node rank x N / K + local rank), joined through torch.distributed's TCP rendezvous
