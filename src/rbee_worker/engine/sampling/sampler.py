@@ -48,6 +48,7 @@ from rbee_worker.engine.sampling.selection import (
 # pack's row layout: token, valid, logprob, then (id, logprob) of the MAX_TOP_LOGPROBS most likely tokens.
 PACKED_WIDTH = 3 + 2 * MAX_TOP_LOGPROBS
 _WEIGHT_ONE = 2.0**40  # the top token's weight
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # penalized logits are clamped here (see _penalized)
 # exp's argument is clamped here: below, the weight is 0 anyway (exp(-64) * 2**40 < 1e-15), and denormal results
 # would slow a CPU's exp and the products after it many times over.
 _EXP_FLOOR = -64.0
@@ -282,8 +283,8 @@ def _penalized(x: torch.Tensor, state: SamplerState, slots: torch.Tensor) -> tor
     rep = state.repetition[row_slots]
     seen = torch.where(seen < 0, seen * rep, seen / rep)
     penalty = state.frequency[row_slots] * generated + state.presence[row_slots] * (generated > 0)
-    out = x.float().clamp(max=torch.finfo(torch.float32).max)
-    out[rows, ids] = (seen - penalty).clamp_(max=torch.finfo(torch.float32).max)
+    out = x.float().clamp(max=_FLOAT32_MAX)
+    out[rows, ids] = (seen - penalty).clamp_(max=_FLOAT32_MAX)
     return out
 
 

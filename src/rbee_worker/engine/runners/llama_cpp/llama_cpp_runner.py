@@ -283,9 +283,9 @@ class LlamaCppRunner:
                 native.llama_set_embeddings(self._context, False)
         pooled = [self._pooled(row, at) for row, at in zip(prompts, first_output, strict=True)] if pools else []
         for row in prompts:
-            self.sequences.computed(row.row, row.start, list(row.token_ids), alone)
+            self.sequences.computed(row.row, row.start, row.token_ids, alone)
         for row in decodes:
-            self.sequences.computed(row.row, row.position, list(row.tokens), alone)
+            self.sequences.computed(row.row, row.position, row.tokens, alone)
         logits = self._logits(outputs)
         scored = [
             score(logits[at : at + len(row.targets)], row.targets, row.target_top) if row.targets else ()

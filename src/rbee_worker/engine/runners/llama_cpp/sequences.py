@@ -5,6 +5,7 @@ prompt cache (engine/runners/llama_cpp/prompt_cache.py) or another running seque
 
 import ctypes
 import logging
+from collections.abc import Sequence
 
 import llama_cpp.llama_cpp as native
 import numpy as np
@@ -77,7 +78,7 @@ class Sequences:
             len(rows) == 1 and not any(held for other, held in enumerate(self.held) if other != rows[0])
         )
 
-    def computed(self, row: int, start: int, tokens: list[int], alone: bool) -> None:
+    def computed(self, row: int, start: int, tokens: Sequence[int], alone: bool) -> None:
         """The row's positions from `start` now hold `tokens`, computed `alone` in the pool or not."""
         del self.held[row][start:]
         self.held[row].extend(tokens)
